@@ -1,0 +1,59 @@
+//! How each inner backend runs Bastile's kernels: [`KernelBackend`].
+//!
+//! `CubeBackend` launches them directly (`cube.rs`), `Fusion<B>` records a
+//! custom op in its stream that launches them on `B` when the stream runs
+//! (`fusion.rs`), and backends without CubeCL (NdArray) report every op as
+//! unsupported so `Bastile<B>` takes the composite path.
+
+mod cube;
+mod fusion;
+
+use burn::backend::NdArray;
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Device};
+
+use crate::RmsNormCast;
+
+/// A backend that can run Bastile's fused kernels. The `*_kernel` methods
+/// are only called when the matching `*_supported` predicate said yes.
+pub trait KernelBackend: Backend {
+    /// Whether the fused RMSNorm kernels take rows of `hidden` elements of
+    /// `dtype` on `device`.
+    fn rms_norm_supported(_device: &Device<Self>, _hidden: usize, _dtype: DType) -> bool {
+        false
+    }
+
+    /// Fused forward: `(y, rstd)` with `rstd` f32 `[rows]`.
+    fn rms_norm_forward_kernel(
+        _x: FloatTensor<Self>,
+        _gamma: FloatTensor<Self>,
+        _eps: f64,
+        _cast: RmsNormCast,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        unreachable!("rms_norm_forward_kernel called on a backend that does not support it")
+    }
+
+    /// Fused backward: `(dx, dgamma)`.
+    fn rms_norm_backward_kernel(
+        _x: FloatTensor<Self>,
+        _gamma: FloatTensor<Self>,
+        _rstd: FloatTensor<Self>,
+        _dy: FloatTensor<Self>,
+        _cast: RmsNormCast,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        unreachable!("rms_norm_backward_kernel called on a backend that does not support it")
+    }
+}
+
+impl KernelBackend for NdArray {}
+
+/// The kernel dtype for a Burn dtype, if the kernels are built for it.
+pub(crate) fn kernel_dtype(dtype: DType) -> Option<bastile_cubecl::FloatDtype> {
+    match dtype {
+        DType::F32 => Some(bastile_cubecl::FloatDtype::F32),
+        DType::F16 => Some(bastile_cubecl::FloatDtype::F16),
+        DType::BF16 => Some(bastile_cubecl::FloatDtype::BF16),
+        _ => None,
+    }
+}

@@ -1,0 +1,60 @@
+//! # Bastile
+//!
+//! Fused, autotuned GPU training kernels for [Burn](https://burn.dev), as a
+//! backend decorator. Wrap your backend in [`Bastile`] and the
+//! normalization, activation, rotary-embedding and loss calls of your model
+//! run as fused CubeCL kernels, forward and backward:
+//!
+//! ```rust
+//! use burn::backend::{Autodiff, NdArray};
+//! use burn::tensor::{Distribution, Tensor};
+//! use bastile::{Bastile, nn::RmsNormConfig};
+//!
+//! // On a GPU: `Autodiff<Bastile<burn::backend::Cuda>>` (feature `cuda`) or
+//! // `Autodiff<Bastile<burn::backend::Wgpu>>` (feature `wgpu`).
+//! type B = Autodiff<Bastile<NdArray>>;
+//!
+//! bastile::apply(bastile::Patches::default()); // every fused op on
+//! let device = Default::default();
+//! let norm = RmsNormConfig::new(64).init::<B>(&device);
+//! let x = Tensor::<B, 3>::random([2, 5, 64], Distribution::Normal(0.0, 1.0), &device)
+//!     .require_grad();
+//! let y = norm.try_forward(x.clone())?;
+//! let grads = y.sum().backward();
+//! assert_eq!(x.grad(&grads).unwrap().dims(), [2, 5, 64]);
+//! # Ok::<(), bastile::BastileError>(())
+//! ```
+//!
+//! * [`BastileBackend`] holds the fused ops. Each has a composite default
+//!   written with plain Burn ops (the reference semantics), so every Burn
+//!   backend implements it; `Bastile<B>` overrides them with kernels, and
+//!   `Autodiff<B>` gives each fused op a single autodiff node whose backward
+//!   is the fused backward kernel.
+//! * [`apply`], [`reset`], [`patched_ops`] switch ops on and off at run time;
+//!   a disabled op takes the composite path.
+//! * [`nn`] has drop-in replacements for the matching `burn::nn` modules.
+
+mod backend;
+mod error;
+pub mod kernels;
+pub mod nn;
+pub mod ops;
+mod patches;
+
+pub use backend::Bastile;
+pub use bastile_cubecl::rms_norm::RmsNormCast;
+pub use error::BastileError;
+pub use ops::BastileBackend;
+pub use patches::{Op, Patches, apply, patched_ops, reset};
+
+/// Forgets the launch configurations autotuned in this process, so the
+/// next call of each op tunes again (CubeCL's on-disk cache is kept).
+pub fn clear_autotune_cache() {
+    bastile_cubecl::rms_norm::clear_autotune();
+}
+
+/// Compiles and autotunes every enabled fused kernel on `device` for small
+/// representative shapes, so the first training step does not pay for it.
+pub fn warmup_all_kernels<B: BastileBackend>(device: &B::Device) {
+    ops::rms_norm::warmup::<B>(device);
+}

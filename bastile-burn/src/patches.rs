@@ -1,0 +1,84 @@
+//! The run-time switchboard: which fused ops `Bastile<B>` uses.
+//!
+//! A disabled op takes the composite path (plain Burn ops), under autodiff
+//! too, so switching never changes results beyond rounding.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// A fused op that can be switched on and off.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    RmsNorm,
+}
+
+impl Op {
+    /// Every switchable op.
+    pub const ALL: [Op; 1] = [Op::RmsNorm];
+
+    fn bit(self) -> u32 {
+        1 << (self as u32)
+    }
+
+    /// The op's name, as the Python API spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::RmsNorm => "rms_norm",
+        }
+    }
+}
+
+impl core::fmt::Display for Op {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Which fused ops to use. `Patches::default()` turns every op on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Patches {
+    pub rms_norm: bool,
+}
+
+impl Default for Patches {
+    fn default() -> Self {
+        Self { rms_norm: true }
+    }
+}
+
+impl Patches {
+    /// Every op off: Burn's own composite ops everywhere.
+    pub fn none() -> Self {
+        Self { rms_norm: false }
+    }
+
+    fn bits(self) -> u32 {
+        let mut bits = 0;
+        if self.rms_norm {
+            bits |= Op::RmsNorm.bit();
+        }
+        bits
+    }
+}
+
+/// Every op starts on: choosing `Bastile<B>` is the opt-in.
+static ENABLED: AtomicU32 = AtomicU32::new(u32::MAX);
+
+/// Sets which fused ops are used from now on (calling it again changes them).
+pub fn apply(patches: Patches) {
+    ENABLED.store(patches.bits(), Ordering::SeqCst);
+}
+
+/// Turns every fused op off: Burn's composite ops everywhere.
+pub fn reset() {
+    apply(Patches::none());
+}
+
+/// The fused ops currently on.
+pub fn patched_ops() -> Vec<Op> {
+    Op::ALL.into_iter().filter(|op| is_enabled(*op)).collect()
+}
+
+/// Whether `op` is currently on.
+pub fn is_enabled(op: Op) -> bool {
+    ENABLED.load(Ordering::SeqCst) & op.bit() != 0
+}

@@ -1,0 +1,92 @@
+//! Burn-level test support: the backends a run covers and tensor helpers.
+//!
+//! `BASTILE_TEST_RUNTIMES` (see `bastile_cubecl::testing`) selects wgpu
+//! and/or CUDA; each runtime is tested both as a plain `CubeBackend` (direct
+//! kernel launch) and behind `Fusion` (kernels as custom fusion ops).
+
+#![allow(dead_code)]
+
+use bastile::BastileBackend;
+use bastile::ops::KernelBackend;
+use bastile_cubecl::testing::{Rng, runtime_selected};
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor, TensorData};
+
+/// A test body generic over the inner backend `B` (Bastile<B> is tested
+/// against `B`).
+pub trait BackendTest {
+    fn run<B>(&self, device: &B::Device, name: &str, dtypes: &[DType])
+    where
+        B: KernelBackend + BastileBackend;
+}
+
+pub fn for_each_backend(test: &impl BackendTest) {
+    let mut ran = 0;
+    if runtime_selected("wgpu", cfg!(feature = "wgpu")) {
+        #[cfg(feature = "wgpu")]
+        {
+            use burn_cubecl::CubeBackend;
+            use cubecl::wgpu::WgpuRuntime;
+            let dtypes = [DType::F32, DType::F16];
+            let device = Default::default();
+            test.run::<CubeBackend<WgpuRuntime, f32, i32, u32>>(&device, "wgpu (direct)", &dtypes);
+            test.run::<burn::backend::Wgpu>(&device, "wgpu (fusion)", &dtypes);
+            ran += 1;
+        }
+    }
+    if runtime_selected("cuda", cfg!(feature = "cuda")) {
+        #[cfg(feature = "cuda")]
+        {
+            use burn_cubecl::CubeBackend;
+            use cubecl::cuda::CudaRuntime;
+            let dtypes = [DType::F32, DType::F16, DType::BF16];
+            let device = Default::default();
+            test.run::<CubeBackend<CudaRuntime, f32, i32, u8>>(&device, "cuda (direct)", &dtypes);
+            test.run::<burn::backend::Cuda>(&device, "cuda (fusion)", &dtypes);
+            ran += 1;
+        }
+    }
+    assert!(
+        ran > 0,
+        "no runtime selected: set BASTILE_TEST_RUNTIMES to wgpu and/or cuda"
+    );
+}
+
+/// The kernel dtype matching a Burn float dtype.
+pub fn kdtype(dtype: DType) -> bastile_cubecl::FloatDtype {
+    match dtype {
+        DType::F32 => bastile_cubecl::FloatDtype::F32,
+        DType::F16 => bastile_cubecl::FloatDtype::F16,
+        DType::BF16 => bastile_cubecl::FloatDtype::BF16,
+        other => panic!("no kernel dtype for {other:?}"),
+    }
+}
+
+/// Random normal values already rounded to `dtype`, so the f64 reference
+/// sees exactly what the backend holds.
+pub fn randn(rng: &mut Rng, n: usize, mean: f64, std: f64, dtype: DType) -> Vec<f64> {
+    rng.normals(n, mean, std)
+        .into_iter()
+        .map(|v| bastile_cubecl::testing::round_to(kdtype(dtype), v))
+        .collect()
+}
+
+/// A tensor of `dtype` holding `values` (exactly: they are representable).
+pub fn tensor<B: Backend, const D: usize>(
+    values: &[f64],
+    shape: [usize; D],
+    dtype: DType,
+    device: &B::Device,
+) -> Tensor<B, D> {
+    let data: Vec<f32> = values.iter().map(|&v| v as f32).collect();
+    Tensor::<B, D>::from_data(TensorData::new(data, shape), device).cast(dtype)
+}
+
+/// A tensor's values as f64.
+pub fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f64> {
+    t.cast(DType::F32)
+        .into_data()
+        .convert::<f64>()
+        .to_vec::<f64>()
+        .expect("f64 data")
+}

@@ -1,0 +1,19 @@
+//! Bastile's fused training kernels, written once in CubeCL.
+//!
+//! Every op lives in one file (`rms_norm.rs`, ...) holding its `#[cube]` kernels,
+//! the host-side launchers and its autotune set. The crate depends on CubeCL
+//! only: it speaks in buffers ([`cubecl::server::Handle`]), shapes and dtypes,
+//! so any CubeCL runtime (CUDA, wgpu/Vulkan, ...) can run it and the Burn
+//! integration lives one layer up, in the `bastile` crate.
+
+pub mod dtype;
+pub mod error;
+pub mod launch;
+pub mod reduce;
+pub mod reference;
+pub mod rms_norm;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
+
+pub use dtype::FloatDtype;
+pub use error::KernelError;

@@ -1,0 +1,133 @@
+//! Reductions shared by the row-wise kernels: the sum over the units that
+//! share one row, and the column sum that finishes a two-stage parameter
+//! gradient.
+
+use cubecl::prelude::*;
+
+use crate::{FloatDtype, KernelError, launch};
+
+/// How the units that share a row combine their partial sums.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum RowReduce {
+    /// Plane (warp) shuffles, then one shared-memory slot per plane.
+    Plane,
+    /// A shared-memory tree over all units of the row.
+    Shared,
+}
+
+/// Shared-memory words [`row_sum`] needs for `rows_per_cube` rows of
+/// `units_per_row` units.
+pub fn row_sum_scratch(
+    reduce: RowReduce,
+    units_per_row: u32,
+    rows_per_cube: u32,
+    plane_min: u32,
+) -> usize {
+    let per_row = match reduce {
+        RowReduce::Plane => units_per_row.div_ceil(plane_min),
+        RowReduce::Shared => units_per_row,
+    };
+    (per_row * rows_per_cube) as usize
+}
+
+/// Sums `value` over the `units_per_row` units along X that share the row
+/// slot `UNIT_POS_Y`. Every unit of the cube must call it: it synchronizes
+/// the cube. `scratch` holds [`row_sum_scratch`] words.
+///
+/// With [`RowReduce::Plane`], `units_per_row` must be a multiple of the
+/// plane size, so that no plane straddles two rows; the number of planes per
+/// row is computed from `PLANE_DIM` at run time, never assumed.
+#[cube]
+pub fn row_sum(
+    value: f32,
+    scratch: &mut SharedMemory<f32>,
+    #[comptime] units_per_row: u32,
+    #[comptime] slots_per_row: u32,
+    #[comptime] reduce: RowReduce,
+) -> f32 {
+    let slot = UNIT_POS_Y as usize * slots_per_row as usize;
+    let x = UNIT_POS_X as usize;
+    let mut total = 0.0f32;
+    if comptime![reduce == RowReduce::Plane] {
+        let plane_total = plane_sum(value);
+        let plane_dim = PLANE_DIM as usize;
+        if UNIT_POS_PLANE == 0 {
+            scratch[slot + x / plane_dim] = plane_total;
+        }
+        sync_cube();
+        let planes = units_per_row as usize / plane_dim;
+        for p in 0..planes {
+            total += scratch[slot + p];
+        }
+    } else {
+        scratch[slot + x] = value;
+        sync_cube();
+        let mut stride = comptime![(units_per_row / 2) as usize].runtime();
+        while stride > 0 {
+            if x < stride {
+                let other = scratch[slot + x + stride];
+                scratch[slot + x] += other;
+            }
+            sync_cube();
+            stride /= 2;
+        }
+        total = scratch[slot];
+    }
+    // The scratch is reused by the next call: nobody may overwrite it before
+    // every unit has read its total.
+    sync_cube();
+    total
+}
+
+/// Sums the rows of an f32 `[rows, cols]` matrix of partials into `cols`
+/// values cast to `F`: the second stage of a parameter-gradient reduction,
+/// deterministic and in f32 whatever the output dtype.
+#[cube(launch_unchecked)]
+fn column_sum_kernel<F: Float, N: Size>(
+    partials: &Tensor<Vector<f32, N>>,
+    output: &mut Tensor<Vector<F, N>>,
+    rows: usize,
+    col_vecs: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let col = ABSOLUTE_POS;
+    if col < col_vecs {
+        let mut acc = Vector::<f32, N>::new(0.0);
+        for r in 0..rows {
+            acc += partials[r * col_vecs + col];
+        }
+        output[col] = Vector::cast_from(acc);
+    }
+}
+
+/// Launches the column sum of `partials` (f32, `[rows, cols]`, contiguous)
+/// into `output` (`cols` elements of `dtype`).
+pub fn column_sum<R: Runtime>(
+    client: &ComputeClient<R>,
+    partials: &cubecl::server::Handle,
+    output: &cubecl::server::Handle,
+    rows: usize,
+    cols: usize,
+    dtype: FloatDtype,
+) -> Result<(), KernelError> {
+    let vec = launch::vector_size(client, FloatDtype::F32, cols)
+        .min(launch::vector_size(client, dtype, cols));
+    let col_vecs = cols / vec;
+    let cube_dim = CubeDim::new_1d(64.min(col_vecs.next_power_of_two()).max(1) as u32);
+    let cubes = col_vecs.div_ceil(cube_dim.x as usize);
+    let count = launch::cube_count(client, cubes)?;
+    unsafe {
+        column_sum_kernel::launch_unchecked::<R>(
+            client,
+            count,
+            cube_dim,
+            vec,
+            TensorArg::from_raw_parts(partials.clone(), [cols, 1].into(), [rows, cols].into()),
+            TensorArg::from_raw_parts(output.clone(), [1].into(), [cols].into()),
+            rows,
+            col_vecs,
+            dtype.storage(),
+        )
+    }
+    Ok(())
+}
