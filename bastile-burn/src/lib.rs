@@ -34,6 +34,11 @@
 //!   a disabled op takes the composite path.
 //! * [`nn`] has drop-in replacements for the matching `burn::nn` modules.
 
+/// The README's example is compiled and run as a doc test.
+#[doc = include_str!("../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
+
 mod backend;
 mod error;
 pub mod kernels;

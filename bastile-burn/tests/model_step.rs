@@ -110,9 +110,13 @@ impl BackendTest for SameTraining {
             loss_b[3] < loss_b[0],
             "{name}: the loss should go down: {loss_b:?}"
         );
+        // On the software Vulkan driver the two runs differ only by the
+        // RMSNorm rounding; on CUDA, Burn's fused element-wise kernels and
+        // matmul reduce in other orders on top of that, so a little more.
+        let loss_tol = if name.starts_with("cuda") { 5e-5 } else { 1e-5 };
         for (step, (f, b)) in loss_f.iter().zip(&loss_b).enumerate() {
             assert!(
-                ((f - b) / b).abs() < 1e-5,
+                ((f - b) / b).abs() < loss_tol,
                 "{name} step {step}: loss {f} vs baseline {b}; seed {seed}"
             );
         }
@@ -120,7 +124,7 @@ impl BackendTest for SameTraining {
             &format!("{name} trained params"),
             &model_f.params(),
             &model_b.params(),
-            1e-5,
+            loss_tol,
             seed,
         );
     }

@@ -17,6 +17,9 @@
 //! Each row is held in registers between the reduction and the output pass,
 //! so `x` (and `dy`) are read from memory exactly once.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 use cubecl::tune::{LocalTuner, Tunable, TunableSet, TuneGroup, local_tuner};
@@ -37,6 +40,9 @@ pub enum RmsNormCast {
 }
 
 /// The problem a launch solves: `rows` rows of `hidden` contiguous elements.
+/// Consecutive rows of each matrix may be further apart than `hidden`
+/// (padded pitches, as CubeCL's optimized layouts allocate them): see
+/// [`Rows`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RmsNormProblem {
     pub rows: usize,
@@ -44,6 +50,9 @@ pub struct RmsNormProblem {
     pub eps: f32,
     pub cast: RmsNormCast,
     pub dtype: FloatDtype,
+    /// A number every row stride of the launch is a multiple of (bounds
+    /// the vector width); `hidden` for dense matrices.
+    pub stride_multiple: usize,
 }
 
 impl RmsNormProblem {
@@ -51,6 +60,11 @@ impl RmsNormProblem {
         if self.hidden == 0 {
             return Err(KernelError::Shape(
                 "RMSNorm needs a hidden size of at least 1".into(),
+            ));
+        }
+        if self.stride_multiple == 0 {
+            return Err(KernelError::Shape(
+                "row strides must be a positive multiple".into(),
             ));
         }
         if !(self.eps.is_finite() && self.eps >= 0.0) {
@@ -168,11 +182,12 @@ impl RmsNormLaunch {
 fn load_row<F: Float, N: Size>(
     input: &Tensor<Vector<F, N>>,
     row: usize,
+    stride: usize,
     valid: bool,
     #[comptime] cfg: RowConfig,
 ) -> Array<Vector<f32, N>> {
     let mut values = Array::<Vector<f32, N>>::new(cfg.vecs_per_unit as usize);
-    let base = row * cfg.hidden_vecs as usize;
+    let base = row * stride;
     #[unroll]
     for k in 0..cfg.vecs_per_unit as usize {
         let col = UNIT_POS_X as usize + k * cfg.units_per_row as usize;
@@ -191,7 +206,7 @@ fn load_gamma<F: Float, N: Size>(
     gamma: &Tensor<Vector<F, N>>,
     #[comptime] cfg: RowConfig,
 ) -> Array<Vector<f32, N>> {
-    load_row::<F, N>(gamma, 0, true, cfg)
+    load_row::<F, N>(gamma, 0, 0, true, cfg)
 }
 
 /// Sum of the lanes of a vector.
@@ -219,13 +234,15 @@ fn rms_norm_forward_kernel<F: Float, N: Size>(
     out: &mut Tensor<Vector<F, N>>,
     rstd_out: &mut Tensor<f32>,
     rows: usize,
+    x_stride: usize,
+    out_stride: usize,
     eps: f32,
     #[comptime] cfg: RowConfig,
     #[define(F)] _dtype: StorageType,
 ) {
     let row = CUBE_POS * cfg.rows_per_cube as usize + UNIT_POS_Y as usize;
     let valid = row < rows;
-    let xs = load_row::<F, N>(x, row, valid, cfg);
+    let xs = load_row::<F, N>(x, row, x_stride, valid, cfg);
 
     let mut sum_sq = Vector::<f32, N>::new(0.0);
     #[unroll]
@@ -244,7 +261,7 @@ fn rms_norm_forward_kernel<F: Float, N: Size>(
 
     if valid {
         let g = load_gamma::<F, N>(gamma, cfg);
-        let base = row * cfg.hidden_vecs as usize;
+        let base = row * out_stride;
         #[unroll]
         for k in 0..cfg.vecs_per_unit as usize {
             let col = UNIT_POS_X as usize + k * cfg.units_per_row as usize;
@@ -273,6 +290,9 @@ fn rms_norm_backward_kernel<F: Float, N: Size>(
     dx: &mut Tensor<Vector<F, N>>,
     dgamma_partials: &mut Tensor<Vector<f32, N>>,
     rows: usize,
+    x_stride: usize,
+    dy_stride: usize,
+    dx_stride: usize,
     #[comptime] cfg: RowConfig,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -291,8 +311,8 @@ fn rms_norm_backward_kernel<F: Float, N: Size>(
     for it in 0..iterations {
         let row = it * stride + CUBE_POS * cfg.rows_per_cube as usize + UNIT_POS_Y as usize;
         let valid = row < rows;
-        let xs = load_row::<F, N>(x, row, valid, cfg);
-        let dys = load_row::<F, N>(dy, row, valid, cfg);
+        let xs = load_row::<F, N>(x, row, x_stride, valid, cfg);
+        let dys = load_row::<F, N>(dy, row, dy_stride, valid, cfg);
         let mut r = 0.0f32;
         if valid {
             r = rstd[row];
@@ -319,7 +339,7 @@ fn rms_norm_backward_kernel<F: Float, N: Size>(
             cfg.reduce,
         ) / cfg.hidden as f32;
         if valid {
-            let base = row * cfg.hidden_vecs as usize;
+            let base = row * dx_stride;
             #[unroll]
             for k in 0..cfg.vecs_per_unit as usize {
                 let col = UNIT_POS_X as usize + k * cfg.units_per_row as usize;
@@ -361,22 +381,63 @@ fn rms_norm_backward_kernel<F: Float, N: Size>(
     }
 }
 
-fn row_major(rows: usize, cols: usize) -> (Vec<usize>, Vec<usize>) {
-    (vec![cols, 1], vec![rows, cols])
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+/// A matrix of `rows × hidden` elements whose rows start `stride` elements
+/// apart (`stride >= hidden`), unit stride within a row.
+#[derive(Clone, Debug)]
+pub struct Rows {
+    pub handle: Handle,
+    pub stride: usize,
+}
+
+impl Rows {
+    /// Densely packed rows of `hidden` elements.
+    pub fn dense(handle: Handle, hidden: usize) -> Self {
+        Self {
+            handle,
+            stride: hidden,
+        }
+    }
+
+    fn arg<R: Runtime>(&self, rows: usize, hidden: usize) -> TensorArg<R> {
+        assert!(
+            self.stride >= hidden,
+            "row stride {} shorter than a row of {hidden}",
+            self.stride
+        );
+        unsafe {
+            TensorArg::from_raw_parts(
+                self.handle.clone(),
+                vec![self.stride, 1].into(),
+                vec![rows, hidden].into(),
+            )
+        }
+    }
+
+    /// The stride in vectors of `vector_size` elements.
+    fn stride_vecs(&self, vector_size: usize) -> usize {
+        assert!(
+            self.stride.is_multiple_of(vector_size),
+            "row stride not a multiple of the vector width"
+        );
+        self.stride / vector_size
+    }
 }
 
 fn tensor_arg<R: Runtime>(handle: &Handle, rows: usize, cols: usize) -> TensorArg<R> {
-    let (strides, shape) = row_major(rows, cols);
-    unsafe { TensorArg::from_raw_parts(handle.clone(), strides.into(), shape.into()) }
+    Rows::dense(handle.clone(), cols).arg(rows, cols)
 }
 
 /// The buffers of a forward launch: `x` and `out` hold `rows × hidden`
 /// elements of the problem's dtype, `gamma` `hidden`, `rstd` `rows` f32.
 #[derive(Clone, Debug)]
 pub struct ForwardBuffers {
-    pub x: Handle,
+    pub x: Rows,
     pub gamma: Handle,
-    pub out: Handle,
+    pub out: Rows,
     pub rstd: Handle,
 }
 
@@ -384,11 +445,11 @@ pub struct ForwardBuffers {
 /// the problem's dtype.
 #[derive(Clone, Debug)]
 pub struct BackwardBuffers {
-    pub x: Handle,
+    pub x: Rows,
     pub gamma: Handle,
     pub rstd: Handle,
-    pub dy: Handle,
-    pub dx: Handle,
+    pub dy: Rows,
+    pub dx: Rows,
     pub dgamma: Handle,
 }
 
@@ -412,11 +473,13 @@ pub fn forward_with<R: Runtime>(
             count,
             config.cube_dim(),
             config.vector_size,
-            tensor_arg(&buffers.x, problem.rows, problem.hidden),
+            buffers.x.arg(problem.rows, problem.hidden),
             tensor_arg(&buffers.gamma, 1, problem.hidden),
-            tensor_arg(&buffers.out, problem.rows, problem.hidden),
+            buffers.out.arg(problem.rows, problem.hidden),
             tensor_arg(&buffers.rstd, problem.rows, 1),
             problem.rows,
+            buffers.x.stride_vecs(config.vector_size),
+            buffers.out.stride_vecs(config.vector_size),
             problem.eps,
             cfg,
             problem.dtype.storage(),
@@ -448,13 +511,16 @@ pub fn backward_with<R: Runtime>(
                 count,
                 config.cube_dim(),
                 config.vector_size,
-                tensor_arg(&buffers.x, problem.rows, problem.hidden),
+                buffers.x.arg(problem.rows, problem.hidden),
                 tensor_arg(&buffers.gamma, 1, problem.hidden),
                 tensor_arg(&buffers.rstd, problem.rows, 1),
-                tensor_arg(&buffers.dy, problem.rows, problem.hidden),
-                tensor_arg(&buffers.dx, problem.rows, problem.hidden),
+                buffers.dy.arg(problem.rows, problem.hidden),
+                buffers.dx.arg(problem.rows, problem.hidden),
                 tensor_arg(&partials, cubes, problem.hidden),
                 problem.rows,
+                buffers.x.stride_vecs(config.vector_size),
+                buffers.dy.stride_vecs(config.vector_size),
+                buffers.dx.stride_vecs(config.vector_size),
                 cfg,
                 problem.dtype.storage(),
             )
@@ -478,7 +544,11 @@ pub fn candidates<R: Runtime>(
     problem: &RmsNormProblem,
 ) -> Vec<RmsNormLaunch> {
     let planes = launch::plane_sizes(client);
-    let vector_size = launch::vector_size(client, problem.dtype, problem.hidden);
+    let vector_size = launch::vector_size(
+        client,
+        problem.dtype,
+        gcd(problem.hidden, problem.stride_multiple),
+    );
     let hidden_vecs = problem.hidden / vector_size;
     let max_units = client
         .properties()
@@ -494,7 +564,7 @@ pub fn candidates<R: Runtime>(
             break;
         }
         if vecs_per_unit <= MAX_VECS_PER_UNIT {
-            for rows_per_cube in [1u32, 2, 4, 8] {
+            for rows_per_cube in [1u32, 2, 4] {
                 if units * rows_per_cube > max_units
                     || (rows_per_cube > 1 && units * rows_per_cube > 512)
                 {
@@ -535,6 +605,7 @@ pub struct RmsNormKey {
     pub hidden: usize,
     pub dtype: FloatDtype,
     pub cast: RmsNormCast,
+    pub vector_size: usize,
     pub backward: bool,
     /// How many candidates exist for this problem on this device; the
     /// tunables past it are skipped.
@@ -545,12 +616,13 @@ impl core::fmt::Display for RmsNormKey {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         write!(
             f,
-            "rms_norm{} rows~{} hidden={} {} {:?}",
+            "rms_norm{} rows~{} hidden={} {} {:?} vec={}",
             if self.backward { "_bwd" } else { "_fwd" },
             self.rows_bucket,
             self.hidden,
             self.dtype,
-            self.cast
+            self.cast,
+            self.vector_size
         )
     }
 }
@@ -558,13 +630,10 @@ impl core::fmt::Display for RmsNormKey {
 impl cubecl::tune::AutotuneKey for RmsNormKey {}
 
 impl RmsNormKey {
-    fn new<R: Runtime>(
-        client: &ComputeClient<R>,
-        problem: &RmsNormProblem,
-        backward: bool,
-    ) -> Self {
+    fn new(problem: &RmsNormProblem, candidates: &[RmsNormLaunch], backward: bool) -> Self {
         Self {
-            candidates: candidates(client, problem).len(),
+            vector_size: candidates.first().map_or(1, |c| c.vector_size),
+            candidates: candidates.len(),
             rows_bucket: problem.rows.max(1).next_power_of_two(),
             hidden: problem.hidden,
             dtype: problem.dtype,
@@ -577,8 +646,8 @@ impl RmsNormKey {
 /// How many candidates the autotuner benchmarks at most.
 const MAX_TUNABLES: usize = 24;
 
-type FwdInputs<R> = (ComputeClient<R>, RmsNormProblem, ForwardBuffers);
-type BwdInputs<R> = (ComputeClient<R>, RmsNormProblem, BackwardBuffers);
+type Candidates = Arc<Vec<RmsNormLaunch>>;
+type TuneInputs<R, Buffers> = (ComputeClient<R>, RmsNormProblem, Buffers, Candidates);
 
 static FORWARD_TUNER: LocalTuner<RmsNormKey, cubecl::CubeTuneId> =
     local_tuner!("bastile-rms-norm-forward");
@@ -592,18 +661,87 @@ pub fn clear_autotune() {
     BACKWARD_TUNER.clear();
 }
 
-/// The `index`-th candidate for this problem, if it exists. The tunable set
-/// is built once per process, so it holds one tunable per candidate slot and
-/// each resolves its slot against the problem at hand.
-fn nth_candidate<R: Runtime>(
+/// What the candidate list depends on besides the device.
+type CandidateKey = (cubecl::CubeTuneId, usize, FloatDtype, usize);
+
+/// Candidate lists per device and row shape: building one checks every
+/// configuration against the device, too slow to repeat on every launch.
+static CANDIDATES: Mutex<Option<HashMap<CandidateKey, Candidates>>> = Mutex::new(None);
+
+/// [`candidates`], memoized per device, hidden size, dtype and row alignment.
+fn cached_candidates<R: Runtime>(
     client: &ComputeClient<R>,
+    device: &R::Device,
     problem: &RmsNormProblem,
-    index: usize,
-) -> Result<RmsNormLaunch, String> {
-    candidates(client, problem)
-        .get(index)
-        .copied()
-        .ok_or_else(|| "no such candidate for this problem".to_string())
+) -> Candidates {
+    let key = (
+        cubecl::CubeTuneId::new(client, device),
+        problem.hidden,
+        problem.dtype,
+        gcd(problem.hidden, problem.stride_multiple),
+    );
+    let mut cache = CANDIDATES.lock().unwrap_or_else(|e| e.into_inner());
+    cache
+        .get_or_insert_with(HashMap::new)
+        .entry(key)
+        .or_insert_with(|| Arc::new(candidates(client, problem)))
+        .clone()
+}
+
+/// A launcher with an explicit configuration ([`forward_with`], [`backward_with`]).
+type Launcher<R, Buffers> =
+    fn(&ComputeClient<R>, &RmsNormProblem, &Buffers, &RmsNormLaunch) -> Result<(), KernelError>;
+
+/// Runs `launch` with the configuration `tuner` picked for this problem on
+/// this device, tuning it on first use. The tunable set holds one tunable
+/// per candidate slot; each resolves its slot against the problem's list
+/// and the slots past its end are skipped.
+fn run_tuned<R: Runtime, Buffers: Clone + Send + Sync + 'static>(
+    tuner: &'static LocalTuner<RmsNormKey, cubecl::CubeTuneId>,
+    backward: bool,
+    launch: Launcher<R, Buffers>,
+    client: &ComputeClient<R>,
+    device: &R::Device,
+    problem: &RmsNormProblem,
+    buffers: &Buffers,
+) -> Result<(), KernelError> {
+    problem.validate()?;
+    let candidates = cached_candidates(client, device, problem);
+    if candidates.is_empty() {
+        return Err(KernelError::Unsupported(format!(
+            "no RMSNorm launch configuration fits hidden size {} on this device",
+            problem.hidden
+        )));
+    }
+    let set = tuner.init(move || {
+        let group = TuneGroup::<RmsNormKey>::new("candidates", |_| 0);
+        let mut set = TunableSet::<RmsNormKey, TuneInputs<R, Buffers>, ()>::new_cloning_inputs(
+            move |(_, p, _, c): &TuneInputs<R, Buffers>| RmsNormKey::new(p, c, backward),
+        );
+        for i in 0..MAX_TUNABLES {
+            let tunable = Tunable::new(
+                &format!("candidate-{i}"),
+                move |(client, p, b, c): TuneInputs<R, Buffers>| {
+                    let config = c.get(i).ok_or("no such candidate for this problem")?;
+                    launch(&client, &p, &b, config).map_err(|e| e.to_string())
+                },
+            );
+            set = set.with(tunable.group(
+                &group,
+                move |key: &RmsNormKey| {
+                    if i < key.candidates { 0 } else { -1 }
+                },
+            ));
+        }
+        set
+    });
+    tuner.execute(
+        &cubecl::CubeTuneId::new(client, device),
+        client,
+        set,
+        (client.clone(), *problem, buffers.clone(), candidates),
+    );
+    Ok(())
 }
 
 /// Runs the forward kernel with the configuration autotuned for this
@@ -614,42 +752,15 @@ pub fn forward<R: Runtime>(
     problem: &RmsNormProblem,
     buffers: &ForwardBuffers,
 ) -> Result<(), KernelError> {
-    problem.validate()?;
-    if candidates(client, problem).is_empty() {
-        return Err(KernelError::Unsupported(format!(
-            "no RMSNorm launch configuration fits hidden size {} on this device",
-            problem.hidden
-        )));
-    }
-    let set = FORWARD_TUNER.init(|| {
-        let group = TuneGroup::<RmsNormKey>::new("candidates", |_| 0);
-        let mut set = TunableSet::<RmsNormKey, FwdInputs<R>, ()>::new_cloning_inputs(
-            |(c, p, _): &FwdInputs<R>| RmsNormKey::new(c, p, false),
-        );
-        for i in 0..MAX_TUNABLES {
-            set = set.with(
-                Tunable::new(
-                    &format!("candidate-{i}"),
-                    move |(client, p, b): FwdInputs<R>| {
-                        let config = nth_candidate(&client, &p, i)?;
-                        forward_with(&client, &p, &b, &config).map_err(|e| e.to_string())
-                    },
-                )
-                .group(
-                    &group,
-                    move |key: &RmsNormKey| if i < key.candidates { 0 } else { -1 },
-                ),
-            );
-        }
-        set
-    });
-    FORWARD_TUNER.execute(
-        &cubecl::CubeTuneId::new(client, device),
+    run_tuned(
+        &FORWARD_TUNER,
+        false,
+        forward_with::<R>,
         client,
-        set,
-        (client.clone(), *problem, buffers.clone()),
-    );
-    Ok(())
+        device,
+        problem,
+        buffers,
+    )
 }
 
 /// Runs the backward kernels with the configuration autotuned for this
@@ -660,40 +771,13 @@ pub fn backward<R: Runtime>(
     problem: &RmsNormProblem,
     buffers: &BackwardBuffers,
 ) -> Result<(), KernelError> {
-    problem.validate()?;
-    if candidates(client, problem).is_empty() {
-        return Err(KernelError::Unsupported(format!(
-            "no RMSNorm launch configuration fits hidden size {} on this device",
-            problem.hidden
-        )));
-    }
-    let set = BACKWARD_TUNER.init(|| {
-        let group = TuneGroup::<RmsNormKey>::new("candidates", |_| 0);
-        let mut set = TunableSet::<RmsNormKey, BwdInputs<R>, ()>::new_cloning_inputs(
-            |(c, p, _): &BwdInputs<R>| RmsNormKey::new(c, p, true),
-        );
-        for i in 0..MAX_TUNABLES {
-            set = set.with(
-                Tunable::new(
-                    &format!("candidate-{i}"),
-                    move |(client, p, b): BwdInputs<R>| {
-                        let config = nth_candidate(&client, &p, i)?;
-                        backward_with(&client, &p, &b, &config).map_err(|e| e.to_string())
-                    },
-                )
-                .group(
-                    &group,
-                    move |key: &RmsNormKey| if i < key.candidates { 0 } else { -1 },
-                ),
-            );
-        }
-        set
-    });
-    BACKWARD_TUNER.execute(
-        &cubecl::CubeTuneId::new(client, device),
+    run_tuned(
+        &BACKWARD_TUNER,
+        true,
+        backward_with::<R>,
         client,
-        set,
-        (client.clone(), *problem, buffers.clone()),
-    );
-    Ok(())
+        device,
+        problem,
+        buffers,
+    )
 }

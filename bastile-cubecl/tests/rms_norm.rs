@@ -4,7 +4,7 @@
 
 use bastile_cubecl::reference::rms_norm as reference;
 use bastile_cubecl::rms_norm::{
-    self, BackwardBuffers, ForwardBuffers, RmsNormCast, RmsNormLaunch, RmsNormProblem,
+    self, BackwardBuffers, ForwardBuffers, RmsNormCast, RmsNormLaunch, RmsNormProblem, Rows,
 };
 use bastile_cubecl::testing::*;
 use bastile_cubecl::{FloatDtype, KernelError};
@@ -30,8 +30,36 @@ fn inputs(rng: &mut Rng, dtype: FloatDtype, rows: usize, hidden: usize) -> Input
     }
 }
 
+/// Lays `rows × hidden` values out with rows `stride` elements apart, NaN
+/// in the padding (a kernel that reads it fails).
+fn pad_rows(values: &[f64], hidden: usize, stride: usize) -> Vec<f64> {
+    let rows = values.len() / hidden;
+    let mut out = vec![f64::NAN; rows * stride];
+    for r in 0..rows {
+        out[r * stride..r * stride + hidden].copy_from_slice(&values[r * hidden..(r + 1) * hidden]);
+    }
+    out
+}
+
+/// Reads a padded matrix back, asserting the padding is still NaN (a
+/// kernel that writes it fails), and returns the dense values.
+fn unpad_rows(padded: Vec<f64>, hidden: usize, stride: usize, what: &str) -> Vec<f64> {
+    let rows = padded.len() / stride;
+    let mut out = Vec::with_capacity(rows * hidden);
+    for r in 0..rows {
+        let row = &padded[r * stride..(r + 1) * stride];
+        assert!(
+            row[hidden..].iter().all(|v| v.is_nan()),
+            "{what}: the kernel wrote into the row padding"
+        );
+        out.extend_from_slice(&row[..hidden]);
+    }
+    out
+}
+
 /// Runs forward and backward with `config` (or autotuned when `None`) and
-/// checks y, rstd, dx and dγ against the reference.
+/// checks y, rstd, dx and dγ against the reference. The row matrices are
+/// laid out with rows `problem.stride_multiple` elements apart.
 fn check<R: Runtime>(
     client: &ComputeClient<R>,
     device: &R::Device,
@@ -40,6 +68,15 @@ fn check<R: Runtime>(
     rng: &mut Rng,
 ) {
     let (rows, hidden, dtype) = (problem.rows, problem.hidden, problem.dtype);
+    let stride = problem.stride_multiple;
+    let rows_of = |values: &[f64]| Rows {
+        handle: upload(client, dtype, &pad_rows(values, hidden, stride)),
+        stride,
+    };
+    let poisoned_rows = || Rows {
+        handle: poisoned(client, dtype, rows * stride),
+        stride,
+    };
     let seed = rng.seed();
     let data = inputs(rng, dtype, rows, hidden);
     let round = |v| round_to(dtype, v);
@@ -57,9 +94,9 @@ fn check<R: Runtime>(
     );
 
     let fwd = ForwardBuffers {
-        x: upload(client, dtype, &data.x),
+        x: rows_of(&data.x),
         gamma: upload(client, dtype, &data.gamma),
-        out: poisoned(client, dtype, rows * hidden),
+        out: poisoned_rows(),
         rstd: poisoned(client, FloatDtype::F32, rows),
     };
     match config {
@@ -68,13 +105,13 @@ fn check<R: Runtime>(
     }
     let what = format!("{problem:?} {config:?}");
     let tol = tolerance(dtype);
-    assert_close(
-        &format!("y {what}"),
-        &download(client, dtype, fwd.out.clone()),
-        &y_ref,
-        tol,
-        seed,
+    let y = unpad_rows(
+        download(client, dtype, fwd.out.handle.clone()),
+        hidden,
+        stride,
+        &what,
     );
+    assert_close(&format!("y {what}"), &y, &y_ref, tol, seed);
     assert_close(
         &format!("rstd {what}"),
         &download(client, FloatDtype::F32, fwd.rstd.clone()),
@@ -87,21 +124,21 @@ fn check<R: Runtime>(
         x: fwd.x.clone(),
         gamma: fwd.gamma.clone(),
         rstd: fwd.rstd.clone(),
-        dy: upload(client, dtype, &data.dy),
-        dx: poisoned(client, dtype, rows * hidden),
+        dy: rows_of(&data.dy),
+        dx: poisoned_rows(),
         dgamma: poisoned(client, dtype, hidden),
     };
     match config {
         Some(c) => rms_norm::backward_with(client, problem, &bwd, c).unwrap(),
         None => rms_norm::backward(client, device, problem, &bwd).unwrap(),
     }
-    assert_close(
-        &format!("dx {what}"),
-        &download(client, dtype, bwd.dx),
-        &dx_ref,
-        tol,
-        seed,
+    let dx = unpad_rows(
+        download(client, dtype, bwd.dx.handle),
+        hidden,
+        stride,
+        &what,
     );
+    assert_close(&format!("dx {what}"), &dx, &dx_ref, tol, seed);
     // dγ sums `rows` products in f32: allow for the accumulation length.
     let dg_tol = tol.max(1e-6 * (rows as f64).sqrt());
     assert_close(
@@ -122,10 +159,15 @@ impl RuntimeTest for EveryCandidate {
         let client = R::client(device);
         let mut rng = Rng::fresh();
         for dtype in supported_dtypes(&client, dtypes) {
-            for (rows, hidden, cast) in [
-                (37, 1000, RmsNormCast::Llama),
-                (3, 896, RmsNormCast::GptOss),
-                (130, 64, RmsNormCast::Llama),
+            // Dense rows, and rows padded to a wider pitch (as CubeCL's
+            // optimized layouts allocate them), one of them an odd pitch.
+            for (rows, hidden, stride, cast) in [
+                (37, 1000, 1000, RmsNormCast::Llama),
+                (37, 1000, 1024, RmsNormCast::GptOss),
+                (3, 896, 896, RmsNormCast::GptOss),
+                (130, 64, 64, RmsNormCast::Llama),
+                (11, 96, 128, RmsNormCast::Llama),
+                (5, 96, 101, RmsNormCast::GptOss),
             ] {
                 let problem = RmsNormProblem {
                     rows,
@@ -133,6 +175,7 @@ impl RuntimeTest for EveryCandidate {
                     eps: 1e-6,
                     cast,
                     dtype,
+                    stride_multiple: stride,
                 };
                 let candidates = rms_norm::candidates(&client, &problem);
                 assert!(
@@ -174,6 +217,7 @@ impl RuntimeTest for ShapeGrid {
                             eps: 1e-5,
                             cast,
                             dtype,
+                            stride_multiple: hidden,
                         };
                         check(&client, device, &problem, None, &mut rng);
                     }
@@ -203,6 +247,7 @@ impl RuntimeTest for OddHidden {
                     eps: 1e-6,
                     cast: RmsNormCast::Llama,
                     dtype,
+                    stride_multiple: hidden,
                 };
                 check(&client, device, &problem, None, &mut rng);
             }
@@ -222,9 +267,9 @@ impl RuntimeTest for Rejects {
     fn run<R: Runtime>(&self, device: &R::Device, _runtime: &str, _dtypes: &[FloatDtype]) {
         let client = R::client(device);
         let bufs = ForwardBuffers {
-            x: client.empty(64),
+            x: Rows::dense(client.empty(64), 4),
             gamma: client.empty(64),
-            out: client.empty(64),
+            out: Rows::dense(client.empty(64), 4),
             rstd: client.empty(64),
         };
         let empty = RmsNormProblem {
@@ -233,6 +278,7 @@ impl RuntimeTest for Rejects {
             eps: 1e-6,
             cast: RmsNormCast::Llama,
             dtype: FloatDtype::F32,
+            stride_multiple: 4,
         };
         assert!(matches!(
             rms_norm::forward(&client, device, &empty, &bufs),
@@ -249,6 +295,7 @@ impl RuntimeTest for Rejects {
         ));
         let problem = RmsNormProblem {
             hidden: 6,
+            stride_multiple: 6,
             eps: 1e-6,
             ..empty
         };

@@ -1,1 +1,92 @@
-fn main() {}
+//! `bastile-bench`: Bastile's fused kernels against Burn's composite ops on
+//! one device, in one process, with the device's measured copy bandwidth as
+//! the yardstick. `cargo xtask bench` builds and runs it.
+
+mod copy;
+mod report;
+mod rms_norm;
+mod timing;
+
+use clap::{Parser, ValueEnum};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Runtime {
+    Cuda,
+    Wgpu,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OpName {
+    RmsNorm,
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "Benchmarks Bastile's fused kernels against Burn's composite ops")]
+pub struct Args {
+    /// Which op to benchmark (all when omitted).
+    #[arg(long, value_enum)]
+    pub op: Option<OpName>,
+    /// The runtime to run on.
+    #[arg(long, value_enum)]
+    pub runtime: Runtime,
+    /// Use the small shapes meant for the software Vulkan driver.
+    #[arg(long)]
+    pub tiny: bool,
+    /// Write the results as JSON (and Markdown beside it, `.md`).
+    #[arg(long)]
+    pub out: Option<std::path::PathBuf>,
+    /// Timed repetitions per measurement (the median is reported).
+    #[arg(long, default_value_t = 15)]
+    pub samples: usize,
+}
+
+fn main() {
+    let args = Args::parse();
+    let report = match args.runtime {
+        Runtime::Cuda => {
+            #[cfg(feature = "cuda")]
+            {
+                run::<cubecl::cuda::CudaRuntime, burn::backend::Cuda>(&args, "cuda")
+            }
+            #[cfg(not(feature = "cuda"))]
+            {
+                eprintln!("bastile-bench was built without feature `cuda`");
+                std::process::exit(2)
+            }
+        }
+        Runtime::Wgpu => {
+            #[cfg(feature = "wgpu")]
+            {
+                run::<cubecl::wgpu::WgpuRuntime, burn::backend::Wgpu>(&args, "wgpu")
+            }
+            #[cfg(not(feature = "wgpu"))]
+            {
+                eprintln!("bastile-bench was built without feature `wgpu`");
+                std::process::exit(2)
+            }
+        }
+    };
+    println!("{}", report.markdown());
+    if let Some(path) = &args.out {
+        if let Err(e) = report.write(path) {
+            eprintln!("could not write {}: {e}", path.display());
+            std::process::exit(1);
+        }
+        eprintln!("results written to {} (and .md)", path.display());
+    }
+}
+
+fn run<R, B>(args: &Args, runtime: &str) -> report::Report
+where
+    R: cubecl::Runtime<Device = B::Device>,
+    B: bastile::ops::KernelBackend + bastile::BastileBackend,
+{
+    let device = B::Device::default();
+    let copy_gbs = copy::measure_copy_bandwidth::<R>(&device, args.tiny, args.samples);
+    let mut report = report::Report::new(runtime, &B::name(&device), args.tiny, copy_gbs);
+    eprintln!("device copy bandwidth: {copy_gbs:.1} GB/s (read + write)");
+    if args.op.is_none() || args.op == Some(OpName::RmsNorm) {
+        rms_norm::bench::<B>(&device, args, &mut report);
+    }
+    report
+}

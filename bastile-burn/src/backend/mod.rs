@@ -15,8 +15,12 @@ use burn::tensor::{DType, TensorData};
 
 /// The Bastile backend decorator: `B` with fused training kernels.
 ///
-/// ```rust,ignore
-/// type B = burn::backend::Autodiff<bastile::Bastile<burn::backend::Cuda>>;
+/// ```rust
+/// // `burn::backend::Cuda` or `Wgpu` in place of NdArray run the kernels.
+/// type B = burn::backend::Autodiff<bastile::Bastile<burn::backend::NdArray>>;
+/// let device = Default::default();
+/// let x = burn::tensor::Tensor::<B, 1>::ones([3], &device);
+/// assert_eq!(x.sum().into_scalar(), 3.0);
 /// ```
 #[derive(Clone, Copy, Default, Debug)]
 pub struct Bastile<B>(PhantomData<B>);

@@ -1,0 +1,128 @@
+//! Benchmark results: a Markdown table for people, JSON for tools.
+
+use serde::Serialize;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    pub op: String,
+    pub shape: String,
+    pub dtype: String,
+    pub pass: String,
+    pub implementation: String,
+    pub ms: f64,
+    /// Minimal bytes: each input read once, each output written once.
+    pub bytes: u64,
+    pub gb_per_s: f64,
+    pub pct_of_copy: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub runtime: String,
+    pub device: String,
+    /// Small shapes for the software Vulkan driver: not performance numbers.
+    pub tiny: bool,
+    pub copy_gb_per_s: f64,
+    pub rows: Vec<Row>,
+}
+
+impl Report {
+    pub fn new(runtime: &str, device: &str, tiny: bool, copy_gb_per_s: f64) -> Self {
+        Self {
+            runtime: runtime.into(),
+            device: device.into(),
+            tiny,
+            copy_gb_per_s,
+            rows: Vec::new(),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn push(
+        &mut self,
+        op: &str,
+        shape: &str,
+        dtype: &str,
+        pass: &str,
+        implementation: &str,
+        seconds: f64,
+        bytes: u64,
+    ) {
+        let gb_per_s = bytes as f64 / seconds / 1e9;
+        let row = Row {
+            op: op.into(),
+            shape: shape.into(),
+            dtype: dtype.into(),
+            pass: pass.into(),
+            implementation: implementation.into(),
+            ms: seconds * 1e3,
+            bytes,
+            gb_per_s,
+            pct_of_copy: 100.0 * gb_per_s / self.copy_gb_per_s,
+        };
+        eprintln!(
+            "{:<9} {:<12} {:<5} {:<22} {:<10} {:>9.4} ms {:>8.1} GB/s {:>5.1}%",
+            row.op,
+            row.shape,
+            row.dtype,
+            row.pass,
+            row.implementation,
+            row.ms,
+            row.gb_per_s,
+            row.pct_of_copy
+        );
+        self.rows.push(row);
+    }
+
+    pub fn markdown(&self) -> String {
+        let mut s = format!(
+            "Device: {} ({}){}; measured copy bandwidth {:.1} GB/s (read + write).\n\n",
+            self.device,
+            self.runtime,
+            if self.tiny {
+                ", tiny shapes: functional run, not performance numbers"
+            } else {
+                ""
+            },
+            self.copy_gb_per_s
+        );
+        s += "| op | shape | dtype | pass | implementation | ms | GB/s | % of copy | speedup |\n";
+        s += "|---|---|---|---|---|---:|---:|---:|---:|\n";
+        for row in &self.rows {
+            let baseline = self.rows.iter().find(|r| {
+                r.op == row.op
+                    && r.shape == row.shape
+                    && r.dtype == row.dtype
+                    && r.pass == row.pass
+                    && r.implementation == "burn"
+            });
+            let speedup = baseline
+                .map(|b| format!("{:.2}×", b.ms / row.ms))
+                .unwrap_or_default();
+            s += &format!(
+                "| {} | {} | {} | {} | {} | {:.4} | {:.1} | {:.1}% | {} |\n",
+                row.op,
+                row.shape,
+                row.dtype,
+                row.pass,
+                row.implementation,
+                row.ms,
+                row.gb_per_s,
+                row.pct_of_copy,
+                speedup
+            );
+        }
+        s
+    }
+
+    pub fn write(&self, path: &std::path::Path) -> std::io::Result<()> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        std::fs::write(
+            path,
+            serde_json::to_string_pretty(self).expect("serializable report"),
+        )?;
+        std::fs::write(path.with_extension("md"), self.markdown())
+    }
+}
