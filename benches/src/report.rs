@@ -16,6 +16,22 @@ pub struct Row {
     pub pct_of_copy: f64,
 }
 
+impl Row {
+    /// The row's values as printed, in table column order.
+    fn cells(&self) -> [String; 8] {
+        [
+            self.op.clone(),
+            self.shape.clone(),
+            self.dtype.clone(),
+            self.pass.clone(),
+            self.implementation.clone(),
+            format!("{:.4}", self.ms),
+            format!("{:.1}", self.gb_per_s),
+            format!("{:.1}%", self.pct_of_copy),
+        ]
+    }
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
     pub runtime: String,
@@ -60,16 +76,9 @@ impl Report {
             gb_per_s,
             pct_of_copy: 100.0 * gb_per_s / self.copy_gb_per_s,
         };
+        let [op, shape, dtype, pass, implementation, ms, gbs, pct] = row.cells();
         eprintln!(
-            "{:<9} {:<12} {:<5} {:<22} {:<10} {:>9.4} ms {:>8.1} GB/s {:>5.1}%",
-            row.op,
-            row.shape,
-            row.dtype,
-            row.pass,
-            row.implementation,
-            row.ms,
-            row.gb_per_s,
-            row.pct_of_copy
+            "{op:<9} {shape:<12} {dtype:<5} {pass:<22} {implementation:<10} {ms:>9} ms {gbs:>8} GB/s {pct:>6}"
         );
         self.rows.push(row);
     }
@@ -99,18 +108,7 @@ impl Report {
             let speedup = baseline
                 .map(|b| format!("{:.2}×", b.ms / row.ms))
                 .unwrap_or_default();
-            s += &format!(
-                "| {} | {} | {} | {} | {} | {:.4} | {:.1} | {:.1}% | {} |\n",
-                row.op,
-                row.shape,
-                row.dtype,
-                row.pass,
-                row.implementation,
-                row.ms,
-                row.gb_per_s,
-                row.pct_of_copy,
-                speedup
-            );
+            s += &format!("| {} | {speedup} |\n", row.cells().join(" | "));
         }
         s
     }
