@@ -92,3 +92,8 @@ pub fn check_cube_fits<R: Runtime>(
     }
     Ok(())
 }
+
+/// Greatest common divisor, for row strides and vector widths.
+pub fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}

@@ -24,6 +24,7 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 use cubecl::tune::{LocalTuner, Tunable, TunableSet, TuneGroup, local_tuner};
 
+use crate::launch::gcd;
 use crate::reduce::{RowReduce, column_sum, row_sum, row_sum_scratch};
 use crate::{FloatDtype, KernelError, launch};
 
@@ -381,10 +382,6 @@ fn rms_norm_backward_kernel<F: Float, N: Size>(
     }
 }
 
-fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 { a } else { gcd(b, a % b) }
-}
-
 /// A matrix of `rows × hidden` elements whose rows start `stride` elements
 /// apart (`stride >= hidden`), unit stride within a row.
 #[derive(Clone, Debug)]
@@ -671,11 +668,11 @@ static CANDIDATES: Mutex<Option<HashMap<CandidateKey, Candidates>>> = Mutex::new
 /// [`candidates`], memoized per device, hidden size, dtype and row alignment.
 fn cached_candidates<R: Runtime>(
     client: &ComputeClient<R>,
-    device: &R::Device,
+    id: &cubecl::CubeTuneId,
     problem: &RmsNormProblem,
 ) -> Candidates {
     let key = (
-        cubecl::CubeTuneId::new(client, device),
+        id.clone(),
         problem.hidden,
         problem.dtype,
         gcd(problem.hidden, problem.stride_multiple),
@@ -686,6 +683,16 @@ fn cached_candidates<R: Runtime>(
         .entry(key)
         .or_insert_with(|| Arc::new(candidates(client, problem)))
         .clone()
+}
+
+/// Whether some launch configuration fits `problem` on this device; cheap
+/// after the first call for a row shape (the candidate list is memoized).
+pub fn supported<R: Runtime>(
+    client: &ComputeClient<R>,
+    device: &R::Device,
+    problem: &RmsNormProblem,
+) -> bool {
+    !cached_candidates(client, &cubecl::CubeTuneId::new(client, device), problem).is_empty()
 }
 
 /// A launcher with an explicit configuration ([`forward_with`], [`backward_with`]).
@@ -706,7 +713,8 @@ fn run_tuned<R: Runtime, Buffers: Clone + Send + Sync + 'static>(
     buffers: &Buffers,
 ) -> Result<(), KernelError> {
     problem.validate()?;
-    let candidates = cached_candidates(client, device, problem);
+    let id = cubecl::CubeTuneId::new(client, device);
+    let candidates = cached_candidates(client, &id, problem);
     if candidates.is_empty() {
         return Err(KernelError::Unsupported(format!(
             "no RMSNorm launch configuration fits hidden size {} on this device",
@@ -736,7 +744,7 @@ fn run_tuned<R: Runtime, Buffers: Clone + Send + Sync + 'static>(
         set
     });
     tuner.execute(
-        &cubecl::CubeTuneId::new(client, device),
+        &id,
         client,
         set,
         (client.clone(), *problem, buffers.clone(), candidates),

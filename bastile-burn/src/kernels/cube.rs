@@ -8,6 +8,7 @@ use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
+use bastile_cubecl::launch::gcd;
 use bastile_cubecl::rms_norm::{self, BackwardBuffers, ForwardBuffers, RmsNormProblem, Rows};
 
 use super::{KernelBackend, kernel_dtype};
@@ -66,10 +67,6 @@ fn as_rows<R: CubeRuntime>(t: CubeTensor<R>) -> (CubeTensor<R>, Rows) {
     (t, rows)
 }
 
-fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 { a } else { gcd(b, a % b) }
-}
-
 fn problem<R: CubeRuntime>(
     x: &CubeTensor<R>,
     eps: f64,
@@ -108,7 +105,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KernelBack
             dtype,
             stride_multiple: row_alignment(hidden, dtype.size()),
         };
-        !rms_norm::candidates(&client, &probe).is_empty()
+        rms_norm::supported(&client, device, &probe)
     }
 
     fn rms_norm_forward_kernel(

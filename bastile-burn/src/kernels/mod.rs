@@ -49,7 +49,7 @@ pub trait KernelBackend: Backend {
 impl KernelBackend for NdArray {}
 
 /// The kernel dtype for a Burn dtype, if the kernels are built for it.
-pub(crate) fn kernel_dtype(dtype: DType) -> Option<bastile_cubecl::FloatDtype> {
+pub fn kernel_dtype(dtype: DType) -> Option<bastile_cubecl::FloatDtype> {
     match dtype {
         DType::F32 => Some(bastile_cubecl::FloatDtype::F32),
         DType::F16 => Some(bastile_cubecl::FloatDtype::F16),

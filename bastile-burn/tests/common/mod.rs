@@ -54,12 +54,7 @@ pub fn for_each_backend(test: &impl BackendTest) {
 
 /// The kernel dtype matching a Burn float dtype.
 pub fn kdtype(dtype: DType) -> bastile_cubecl::FloatDtype {
-    match dtype {
-        DType::F32 => bastile_cubecl::FloatDtype::F32,
-        DType::F16 => bastile_cubecl::FloatDtype::F16,
-        DType::BF16 => bastile_cubecl::FloatDtype::BF16,
-        other => panic!("no kernel dtype for {other:?}"),
-    }
+    bastile::kernels::kernel_dtype(dtype).unwrap_or_else(|| panic!("no kernel dtype for {dtype:?}"))
 }
 
 /// Random normal values already rounded to `dtype`, so the f64 reference
