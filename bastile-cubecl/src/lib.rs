@@ -7,13 +7,19 @@
 //! integration lives one layer up, in the `bastile` crate.
 
 pub mod dtype;
+pub mod elementwise;
 pub mod error;
+pub mod geglu;
 pub mod launch;
 pub mod reduce;
 pub mod reference;
 pub mod rms_norm;
+pub mod rope;
+pub mod rows;
+pub mod swiglu;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+pub mod tune;
 
 pub use dtype::FloatDtype;
 pub use error::KernelError;

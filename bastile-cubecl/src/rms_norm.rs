@@ -17,15 +17,18 @@
 //! Each row is held in registers between the reduction and the output pass,
 //! so `x` (and `dy`) are read from memory exactly once.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
-use cubecl::tune::{LocalTuner, Tunable, TunableSet, TuneGroup, local_tuner};
+use cubecl::tune::{LocalTuner, local_tuner};
 
+use crate::elementwise::round_through;
 use crate::launch::gcd;
 use crate::reduce::{RowReduce, column_sum, row_sum, row_sum_scratch};
+pub use crate::rows::Rows;
+use crate::rows::tensor_arg;
+use crate::tune::{CandidateCache, Launcher, Tuner, run_tuned};
 use crate::{FloatDtype, KernelError, launch};
 
 /// Where the cast back to the input dtype happens relative to the γ multiply.
@@ -221,13 +224,6 @@ fn lane_sum<N: Size>(v: Vector<f32, N>) -> f32 {
     total
 }
 
-/// Rounds f32 values through `F` and back: what a cast to the input dtype
-/// does to a value the reference keeps in that dtype.
-#[cube]
-fn round_through<F: Float, N: Size>(v: Vector<f32, N>) -> Vector<f32, N> {
-    Vector::cast_from(Vector::<F, N>::cast_from(v))
-}
-
 #[cube(launch_unchecked)]
 fn rms_norm_forward_kernel<F: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
@@ -380,52 +376,6 @@ fn rms_norm_backward_kernel<F: Float, N: Size>(
             }
         }
     }
-}
-
-/// A matrix of `rows × hidden` elements whose rows start `stride` elements
-/// apart (`stride >= hidden`), unit stride within a row.
-#[derive(Clone, Debug)]
-pub struct Rows {
-    pub handle: Handle,
-    pub stride: usize,
-}
-
-impl Rows {
-    /// Densely packed rows of `hidden` elements.
-    pub fn dense(handle: Handle, hidden: usize) -> Self {
-        Self {
-            handle,
-            stride: hidden,
-        }
-    }
-
-    fn arg<R: Runtime>(&self, rows: usize, hidden: usize) -> TensorArg<R> {
-        assert!(
-            self.stride >= hidden,
-            "row stride {} shorter than a row of {hidden}",
-            self.stride
-        );
-        unsafe {
-            TensorArg::from_raw_parts(
-                self.handle.clone(),
-                vec![self.stride, 1].into(),
-                vec![rows, hidden].into(),
-            )
-        }
-    }
-
-    /// The stride in vectors of `vector_size` elements.
-    fn stride_vecs(&self, vector_size: usize) -> usize {
-        assert!(
-            self.stride.is_multiple_of(vector_size),
-            "row stride not a multiple of the vector width"
-        );
-        self.stride / vector_size
-    }
-}
-
-fn tensor_arg<R: Runtime>(handle: &Handle, rows: usize, cols: usize) -> TensorArg<R> {
-    Rows::dense(handle.clone(), cols).arg(rows, cols)
 }
 
 /// The buffers of a forward launch: `x` and `out` hold `rows × hidden`
@@ -604,9 +554,6 @@ pub struct RmsNormKey {
     pub cast: RmsNormCast,
     pub vector_size: usize,
     pub backward: bool,
-    /// How many candidates exist for this problem on this device; the
-    /// tunables past it are skipped.
-    pub candidates: usize,
 }
 
 impl core::fmt::Display for RmsNormKey {
@@ -624,13 +571,10 @@ impl core::fmt::Display for RmsNormKey {
     }
 }
 
-impl cubecl::tune::AutotuneKey for RmsNormKey {}
-
 impl RmsNormKey {
     fn new(problem: &RmsNormProblem, candidates: &[RmsNormLaunch], backward: bool) -> Self {
         Self {
             vector_size: candidates.first().map_or(1, |c| c.vector_size),
-            candidates: candidates.len(),
             rows_bucket: problem.rows.max(1).next_power_of_two(),
             hidden: problem.hidden,
             dtype: problem.dtype,
@@ -640,16 +584,8 @@ impl RmsNormKey {
     }
 }
 
-/// How many candidates the autotuner benchmarks at most.
-const MAX_TUNABLES: usize = 24;
-
-type Candidates = Arc<Vec<RmsNormLaunch>>;
-type TuneInputs<R, Buffers> = (ComputeClient<R>, RmsNormProblem, Buffers, Candidates);
-
-static FORWARD_TUNER: LocalTuner<RmsNormKey, cubecl::CubeTuneId> =
-    local_tuner!("bastile-rms-norm-forward");
-static BACKWARD_TUNER: LocalTuner<RmsNormKey, cubecl::CubeTuneId> =
-    local_tuner!("bastile-rms-norm-backward");
+static FORWARD_TUNER: Tuner<RmsNormKey> = local_tuner!("bastile-rms-norm-forward");
+static BACKWARD_TUNER: Tuner<RmsNormKey> = local_tuner!("bastile-rms-norm-backward");
 
 /// Forgets every tuning decision taken in this process (the on-disk cache
 /// is CubeCL's and survives).
@@ -658,31 +594,22 @@ pub fn clear_autotune() {
     BACKWARD_TUNER.clear();
 }
 
-/// What the candidate list depends on besides the device.
-type CandidateKey = (cubecl::CubeTuneId, usize, FloatDtype, usize);
+/// Candidate lists per device, hidden size, dtype and row alignment.
+static CANDIDATES: CandidateCache<(usize, FloatDtype, usize), RmsNormLaunch> =
+    CandidateCache::new();
 
-/// Candidate lists per device and row shape: building one checks every
-/// configuration against the device, too slow to repeat on every launch.
-static CANDIDATES: Mutex<Option<HashMap<CandidateKey, Candidates>>> = Mutex::new(None);
-
-/// [`candidates`], memoized per device, hidden size, dtype and row alignment.
+/// [`candidates`], memoized.
 fn cached_candidates<R: Runtime>(
     client: &ComputeClient<R>,
     id: &cubecl::CubeTuneId,
     problem: &RmsNormProblem,
-) -> Candidates {
-    let key = (
-        id.clone(),
+) -> Arc<Vec<RmsNormLaunch>> {
+    let class = (
         problem.hidden,
         problem.dtype,
         gcd(problem.hidden, problem.stride_multiple),
     );
-    let mut cache = CANDIDATES.lock().unwrap_or_else(|e| e.into_inner());
-    cache
-        .get_or_insert_with(HashMap::new)
-        .entry(key)
-        .or_insert_with(|| Arc::new(candidates(client, problem)))
-        .clone()
+    CANDIDATES.get(id, class, || candidates(client, problem))
 }
 
 /// Whether some launch configuration fits `problem` on this device; cheap
@@ -695,18 +622,10 @@ pub fn supported<R: Runtime>(
     !cached_candidates(client, &cubecl::CubeTuneId::new(client, device), problem).is_empty()
 }
 
-/// A launcher with an explicit configuration ([`forward_with`], [`backward_with`]).
-type Launcher<R, Buffers> =
-    fn(&ComputeClient<R>, &RmsNormProblem, &Buffers, &RmsNormLaunch) -> Result<(), KernelError>;
-
-/// Runs `launch` with the configuration `tuner` picked for this problem on
-/// this device, tuning it on first use. The tunable set holds one tunable
-/// per candidate slot; each resolves its slot against the problem's list
-/// and the slots past its end are skipped.
-fn run_tuned<R: Runtime, Buffers: Clone + Send + Sync + 'static>(
-    tuner: &'static LocalTuner<RmsNormKey, cubecl::CubeTuneId>,
+fn run<R: Runtime, Buffers: Clone + Send + Sync + 'static>(
+    tuner: &'static Tuner<RmsNormKey>,
     backward: bool,
-    launch: Launcher<R, Buffers>,
+    launch: Launcher<R, RmsNormProblem, Buffers, RmsNormLaunch>,
     client: &ComputeClient<R>,
     device: &R::Device,
     problem: &RmsNormProblem,
@@ -715,41 +634,10 @@ fn run_tuned<R: Runtime, Buffers: Clone + Send + Sync + 'static>(
     problem.validate()?;
     let id = cubecl::CubeTuneId::new(client, device);
     let candidates = cached_candidates(client, &id, problem);
-    if candidates.is_empty() {
-        return Err(KernelError::Unsupported(format!(
-            "no RMSNorm launch configuration fits hidden size {} on this device",
-            problem.hidden
-        )));
-    }
-    let set = tuner.init(move || {
-        let group = TuneGroup::<RmsNormKey>::new("candidates", |_| 0);
-        let mut set = TunableSet::<RmsNormKey, TuneInputs<R, Buffers>, ()>::new_cloning_inputs(
-            move |(_, p, _, c): &TuneInputs<R, Buffers>| RmsNormKey::new(p, c, backward),
-        );
-        for i in 0..MAX_TUNABLES {
-            let tunable = Tunable::new(
-                &format!("candidate-{i}"),
-                move |(client, p, b, c): TuneInputs<R, Buffers>| {
-                    let config = c.get(i).ok_or("no such candidate for this problem")?;
-                    launch(&client, &p, &b, config).map_err(|e| e.to_string())
-                },
-            );
-            set = set.with(tunable.group(
-                &group,
-                move |key: &RmsNormKey| {
-                    if i < key.candidates { 0 } else { -1 }
-                },
-            ));
-        }
-        set
-    });
-    tuner.execute(
-        &id,
-        client,
-        set,
-        (client.clone(), *problem, buffers.clone(), candidates),
-    );
-    Ok(())
+    let key = RmsNormKey::new(problem, &candidates, backward);
+    run_tuned(
+        tuner, key, launch, client, device, problem, buffers, candidates,
+    )
 }
 
 /// Runs the forward kernel with the configuration autotuned for this
@@ -760,7 +648,7 @@ pub fn forward<R: Runtime>(
     problem: &RmsNormProblem,
     buffers: &ForwardBuffers,
 ) -> Result<(), KernelError> {
-    run_tuned(
+    run(
         &FORWARD_TUNER,
         false,
         forward_with::<R>,
@@ -779,7 +667,7 @@ pub fn backward<R: Runtime>(
     problem: &RmsNormProblem,
     buffers: &BackwardBuffers,
 ) -> Result<(), KernelError> {
-    run_tuned(
+    run(
         &BACKWARD_TUNER,
         true,
         backward_with::<R>,

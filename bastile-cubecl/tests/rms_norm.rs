@@ -30,33 +30,6 @@ fn inputs(rng: &mut Rng, dtype: FloatDtype, rows: usize, hidden: usize) -> Input
     }
 }
 
-/// Lays `rows × hidden` values out with rows `stride` elements apart, NaN
-/// in the padding (a kernel that reads it fails).
-fn pad_rows(values: &[f64], hidden: usize, stride: usize) -> Vec<f64> {
-    let rows = values.len() / hidden;
-    let mut out = vec![f64::NAN; rows * stride];
-    for r in 0..rows {
-        out[r * stride..r * stride + hidden].copy_from_slice(&values[r * hidden..(r + 1) * hidden]);
-    }
-    out
-}
-
-/// Reads a padded matrix back, asserting the padding is still NaN (a
-/// kernel that writes it fails), and returns the dense values.
-fn unpad_rows(padded: Vec<f64>, hidden: usize, stride: usize, what: &str) -> Vec<f64> {
-    let rows = padded.len() / stride;
-    let mut out = Vec::with_capacity(rows * hidden);
-    for r in 0..rows {
-        let row = &padded[r * stride..(r + 1) * stride];
-        assert!(
-            row[hidden..].iter().all(|v| v.is_nan()),
-            "{what}: the kernel wrote into the row padding"
-        );
-        out.extend_from_slice(&row[..hidden]);
-    }
-    out
-}
-
 /// Runs forward and backward with `config` (or autotuned when `None`) and
 /// checks y, rstd, dx and dγ against the reference. The row matrices are
 /// laid out with rows `problem.stride_multiple` elements apart.

@@ -1,0 +1,115 @@
+//! Tiling shared by the element-wise row kernels (SwiGLU, GEGLU, RoPE).
+//!
+//! The work of a launch is a list of *items* (one vector of `vector_size`
+//! elements, or whatever an op calls one step), `row_items` per row. A cube
+//! of `units_per_cube` units takes `units_per_cube · items_per_unit`
+//! consecutive items; unit `u` takes items `u, u + units, u + 2·units, ...`
+//! of them, so every step of the cube reads one contiguous span (coalesced).
+//! The row length is comptime, so the row/column split of an item index is a
+//! division by a constant.
+
+use cubecl::prelude::*;
+
+use crate::{KernelError, launch};
+
+/// One launch configuration of a tiled element-wise kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct TileLaunch {
+    pub vector_size: usize,
+    pub units_per_cube: u32,
+    pub items_per_unit: u32,
+}
+
+/// The comptime part of a tiled launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Tile {
+    /// Items per row.
+    pub row_items: u32,
+    pub units_per_cube: u32,
+    pub items_per_unit: u32,
+}
+
+impl TileLaunch {
+    /// The comptime tile for rows of `row_items` items.
+    pub fn tile(&self, row_items: usize) -> Tile {
+        Tile {
+            row_items: row_items as u32,
+            units_per_cube: self.units_per_cube,
+            items_per_unit: self.items_per_unit,
+        }
+    }
+
+    pub fn cube_dim(&self) -> CubeDim {
+        CubeDim::new_1d(self.units_per_cube)
+    }
+
+    /// The grid covering `items` items.
+    pub fn cube_count<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        items: usize,
+    ) -> Result<CubeCount, KernelError> {
+        let per_cube = (self.units_per_cube * self.items_per_unit) as usize;
+        launch::cube_count(client, items.div_ceil(per_cube))
+    }
+
+    /// Checks the configuration against the device.
+    pub fn check<R: Runtime>(&self, client: &ComputeClient<R>) -> Result<(), KernelError> {
+        if self.vector_size == 0 || self.units_per_cube == 0 || self.items_per_unit == 0 {
+            return Err(KernelError::Unsupported(format!(
+                "{self:?} is not a valid tile"
+            )));
+        }
+        launch::check_cube_fits(client, self.units_per_cube, 0)
+    }
+}
+
+/// Every tile worth trying with vectors of `vector_size` elements, the
+/// default first (256 units, two items each).
+pub fn tile_candidates<R: Runtime>(
+    client: &ComputeClient<R>,
+    vector_size: usize,
+) -> Vec<TileLaunch> {
+    let mut out = Vec::new();
+    for units_per_cube in [256u32, 128, 512] {
+        for items_per_unit in [2u32, 1, 4] {
+            let tile = TileLaunch {
+                vector_size,
+                units_per_cube,
+                items_per_unit,
+            };
+            if tile.check(client).is_ok() {
+                out.push(tile);
+            }
+        }
+    }
+    out
+}
+
+/// The index of the `k`-th item of this unit.
+#[cube]
+pub fn tile_item(k: usize, #[comptime] tile: Tile) -> usize {
+    CUBE_POS * (tile.units_per_cube * tile.items_per_unit) as usize
+        + k * tile.units_per_cube as usize
+        + UNIT_POS as usize
+}
+
+/// Rounds f32 values through `F` and back: what storing an intermediate in
+/// the input dtype (as the eager reference does) does to it.
+#[cube]
+pub fn round_through<F: Float, N: Size>(v: Vector<f32, N>) -> Vector<f32, N> {
+    Vector::cast_from(Vector::<F, N>::cast_from(v))
+}
+
+/// `1 / (1 + e^-x)`, lane by lane, in f32.
+#[cube]
+pub fn sigmoid<N: Size>(x: Vector<f32, N>) -> Vector<f32, N> {
+    let one = Vector::<f32, N>::new(1.0);
+    one / (one + (-x).exp())
+}
+
+/// The size class of an element-wise problem for its autotune key: the item
+/// count rounded up to a power of two.
+pub fn items_bucket(items: usize) -> usize {
+    items.max(1).next_power_of_two()
+}

@@ -1,0 +1,454 @@
+//! SwiGLU, fused forward and backward: `out = silu(gate) · up`.
+//!
+//! Matches HF transformers' eager `act_fn(gate_proj(x)) * up_proj(x)` in
+//! the input dtype: `a = cast(silu(g))`, `out = cast(a · u)`. Backward
+//! recomputes the sigmoid from `gate` (nothing else is saved):
+//! `du = cast(dout · a)`, `dg = cast(cast(dout · u) · s · (1 + g · (1 − s)))`
+//! with `s = sigmoid(g)`. Arithmetic is f32; the casts are where the eager
+//! reference stores an intermediate in the input dtype.
+//!
+//! Gate and up come either as two matrices or as one matrix whose rows hold
+//! the gate half then the up half (the output of one fused gate+up
+//! projection), so no split copy is made; gradients come back in either form.
+
+use std::sync::Arc;
+
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+use cubecl::tune::{LocalTuner, local_tuner};
+
+use crate::elementwise::{
+    Tile, TileLaunch, items_bucket, round_through, sigmoid, tile_candidates, tile_item,
+};
+use crate::rows::Rows;
+use crate::tune::{Tuner, run_tuned};
+use crate::{FloatDtype, KernelError, launch};
+
+/// `rows` rows of `inter` gate and `inter` up elements.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SwiGluProblem {
+    pub rows: usize,
+    pub inter: usize,
+    pub dtype: FloatDtype,
+    /// A number every row stride of the launch is a multiple of (bounds
+    /// the vector width); `inter` for dense matrices.
+    pub stride_multiple: usize,
+}
+
+impl SwiGluProblem {
+    fn validate(&self) -> Result<(), KernelError> {
+        if self.inter == 0 || self.stride_multiple == 0 {
+            return Err(KernelError::Shape(format!(
+                "SwiGLU needs a positive width and stride multiple, got {self:?}"
+            )));
+        }
+        Ok(())
+    }
+
+    fn vector_size<R: Runtime>(&self, client: &ComputeClient<R>) -> usize {
+        launch::vector_size(
+            client,
+            self.dtype,
+            launch::gcd(self.inter, self.stride_multiple),
+        )
+    }
+}
+
+/// Gate and up values (or their gradients).
+#[derive(Clone, Debug)]
+pub enum GluPair {
+    /// Two `rows × inter` matrices.
+    Separate { gate: Rows, up: Rows },
+    /// One `rows × 2·inter` matrix: gate in columns `[0, inter)`, up in
+    /// `[inter, 2·inter)`.
+    Packed(Rows),
+}
+
+/// A pair as kernel arguments: the gate tensor, the up tensor (a dummy when
+/// packed) and both row strides in vectors.
+struct PairArgs<R: Runtime> {
+    gate: TensorArg<R>,
+    up: TensorArg<R>,
+    gate_stride: usize,
+    up_stride: usize,
+}
+
+impl GluPair {
+    fn packed(&self) -> bool {
+        matches!(self, GluPair::Packed(_))
+    }
+
+    fn args<R: Runtime>(
+        &self,
+        rows: usize,
+        inter: usize,
+        vector_size: usize,
+        dummy: &Handle,
+    ) -> PairArgs<R> {
+        match self {
+            GluPair::Separate { gate, up } => PairArgs {
+                gate: gate.arg(rows, inter),
+                up: up.arg(rows, inter),
+                gate_stride: gate.stride_vecs(vector_size),
+                up_stride: up.stride_vecs(vector_size),
+            },
+            GluPair::Packed(both) => PairArgs {
+                gate: both.arg(rows, 2 * inter),
+                up: Rows::dense(dummy.clone(), vector_size).arg(1, vector_size),
+                gate_stride: both.stride_vecs(vector_size),
+                up_stride: 0,
+            },
+        }
+    }
+}
+
+/// Forward buffers: `out` is `rows × inter`.
+#[derive(Clone, Debug)]
+pub struct SwiGluForwardBuffers {
+    pub input: GluPair,
+    pub out: Rows,
+}
+
+/// Backward buffers: `grad` receives d_gate and d_up, packed or not
+/// independently of the input.
+#[derive(Clone, Debug)]
+pub struct SwiGluBackwardBuffers {
+    pub input: GluPair,
+    pub dout: Rows,
+    pub grad: GluPair,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct GluConfig {
+    tile: Tile,
+    packed_in: bool,
+    packed_grad: bool,
+}
+
+/// Reads the gate and up vectors of one item as f32.
+#[cube]
+fn load_pair<F: Float, N: Size>(
+    gate: &Tensor<Vector<F, N>>,
+    up: &Tensor<Vector<F, N>>,
+    row: usize,
+    col: usize,
+    gate_stride: usize,
+    up_stride: usize,
+    #[comptime] row_items: u32,
+    #[comptime] packed: bool,
+) -> (Vector<f32, N>, Vector<f32, N>) {
+    let g = Vector::<f32, N>::cast_from(gate[row * gate_stride + col]);
+    let u = if comptime![packed] {
+        Vector::<f32, N>::cast_from(gate[row * gate_stride + row_items as usize + col])
+    } else {
+        Vector::<f32, N>::cast_from(up[row * up_stride + col])
+    };
+    (g, u)
+}
+
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn swiglu_forward_kernel<F: Float, N: Size>(
+    gate: &Tensor<Vector<F, N>>,
+    up: &Tensor<Vector<F, N>>,
+    out: &mut Tensor<Vector<F, N>>,
+    rows: usize,
+    gate_stride: usize,
+    up_stride: usize,
+    out_stride: usize,
+    #[comptime] cfg: GluConfig,
+    #[define(F)] _dtype: StorageType,
+) {
+    #[unroll]
+    for k in 0..cfg.tile.items_per_unit as usize {
+        let item = tile_item(k, cfg.tile);
+        let row = item / cfg.tile.row_items as usize;
+        if row < rows {
+            let col = item % cfg.tile.row_items as usize;
+            let (g, u) = load_pair::<F, N>(
+                gate,
+                up,
+                row,
+                col,
+                gate_stride,
+                up_stride,
+                cfg.tile.row_items,
+                cfg.packed_in,
+            );
+            let a = round_through::<F, N>(g * sigmoid(g));
+            out[row * out_stride + col] = Vector::cast_from(a * u);
+        }
+    }
+}
+
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn swiglu_backward_kernel<F: Float, N: Size>(
+    gate: &Tensor<Vector<F, N>>,
+    up: &Tensor<Vector<F, N>>,
+    dout: &Tensor<Vector<F, N>>,
+    dgate: &mut Tensor<Vector<F, N>>,
+    dup: &mut Tensor<Vector<F, N>>,
+    rows: usize,
+    gate_stride: usize,
+    up_stride: usize,
+    dout_stride: usize,
+    dgate_stride: usize,
+    dup_stride: usize,
+    #[comptime] cfg: GluConfig,
+    #[define(F)] _dtype: StorageType,
+) {
+    #[unroll]
+    for k in 0..cfg.tile.items_per_unit as usize {
+        let item = tile_item(k, cfg.tile);
+        let row = item / cfg.tile.row_items as usize;
+        if row < rows {
+            let col = item % cfg.tile.row_items as usize;
+            let (g, u) = load_pair::<F, N>(
+                gate,
+                up,
+                row,
+                col,
+                gate_stride,
+                up_stride,
+                cfg.tile.row_items,
+                cfg.packed_in,
+            );
+            let d = Vector::<f32, N>::cast_from(dout[row * dout_stride + col]);
+            let one = Vector::<f32, N>::new(1.0);
+            let s = sigmoid(g);
+            let a = round_through::<F, N>(g * s);
+            let da = round_through::<F, N>(d * u);
+            let dg = da * s * (one + g * (one - s));
+            let du = d * a;
+            dgate[row * dgate_stride + col] = Vector::cast_from(dg);
+            if comptime![cfg.packed_grad] {
+                dgate[row * dgate_stride + cfg.tile.row_items as usize + col] =
+                    Vector::cast_from(du);
+            } else {
+                dup[row * dup_stride + col] = Vector::cast_from(du);
+            }
+        }
+    }
+}
+
+/// Launches the forward kernel with one explicit configuration.
+pub fn forward_with<R: Runtime>(
+    client: &ComputeClient<R>,
+    problem: &SwiGluProblem,
+    buffers: &SwiGluForwardBuffers,
+    config: &TileLaunch,
+) -> Result<(), KernelError> {
+    problem.validate()?;
+    config.check(client)?;
+    check_vector(problem, config)?;
+    if problem.rows == 0 {
+        return Ok(());
+    }
+    let v = config.vector_size;
+    let row_items = problem.inter / v;
+    let dummy = client.empty(16);
+    let input = buffers
+        .input
+        .args::<R>(problem.rows, problem.inter, v, &dummy);
+    let cfg = GluConfig {
+        tile: config.tile(row_items),
+        packed_in: buffers.input.packed(),
+        packed_grad: false,
+    };
+    unsafe {
+        swiglu_forward_kernel::launch_unchecked::<R>(
+            client,
+            config.cube_count(client, problem.rows * row_items)?,
+            config.cube_dim(),
+            v,
+            input.gate,
+            input.up,
+            buffers.out.arg(problem.rows, problem.inter),
+            problem.rows,
+            input.gate_stride,
+            input.up_stride,
+            buffers.out.stride_vecs(v),
+            cfg,
+            problem.dtype.storage(),
+        )
+    }
+    Ok(())
+}
+
+/// Launches the backward kernel with one explicit configuration.
+pub fn backward_with<R: Runtime>(
+    client: &ComputeClient<R>,
+    problem: &SwiGluProblem,
+    buffers: &SwiGluBackwardBuffers,
+    config: &TileLaunch,
+) -> Result<(), KernelError> {
+    problem.validate()?;
+    config.check(client)?;
+    check_vector(problem, config)?;
+    if problem.rows == 0 {
+        return Ok(());
+    }
+    let v = config.vector_size;
+    let row_items = problem.inter / v;
+    let dummy_in = client.empty(16);
+    let dummy_out = client.empty(16);
+    let input = buffers
+        .input
+        .args::<R>(problem.rows, problem.inter, v, &dummy_in);
+    let grad = buffers
+        .grad
+        .args::<R>(problem.rows, problem.inter, v, &dummy_out);
+    let cfg = GluConfig {
+        tile: config.tile(row_items),
+        packed_in: buffers.input.packed(),
+        packed_grad: buffers.grad.packed(),
+    };
+    unsafe {
+        swiglu_backward_kernel::launch_unchecked::<R>(
+            client,
+            config.cube_count(client, problem.rows * row_items)?,
+            config.cube_dim(),
+            v,
+            input.gate,
+            input.up,
+            buffers.dout.arg(problem.rows, problem.inter),
+            grad.gate,
+            grad.up,
+            problem.rows,
+            input.gate_stride,
+            input.up_stride,
+            buffers.dout.stride_vecs(v),
+            grad.gate_stride,
+            grad.up_stride,
+            cfg,
+            problem.dtype.storage(),
+        )
+    }
+    Ok(())
+}
+
+fn check_vector(problem: &SwiGluProblem, config: &TileLaunch) -> Result<(), KernelError> {
+    if !problem.inter.is_multiple_of(config.vector_size)
+        || !problem.stride_multiple.is_multiple_of(config.vector_size)
+    {
+        return Err(KernelError::Unsupported(format!(
+            "vector size {} does not divide the SwiGLU rows of {problem:?}",
+            config.vector_size
+        )));
+    }
+    Ok(())
+}
+
+/// Every configuration worth trying for `problem` on this device.
+pub fn candidates<R: Runtime>(
+    client: &ComputeClient<R>,
+    problem: &SwiGluProblem,
+) -> Vec<TileLaunch> {
+    tile_candidates(client, problem.vector_size(client))
+}
+
+/// The autotune key.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct SwiGluKey {
+    pub items_bucket: usize,
+    pub row_items: usize,
+    pub dtype: FloatDtype,
+    pub vector_size: usize,
+    pub packed_in: bool,
+    pub packed_grad: bool,
+    pub backward: bool,
+}
+
+impl core::fmt::Display for SwiGluKey {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(
+            f,
+            "swiglu{} items~{} row_items={} {} vec={} packed={}/{}",
+            if self.backward { "_bwd" } else { "_fwd" },
+            self.items_bucket,
+            self.row_items,
+            self.dtype,
+            self.vector_size,
+            self.packed_in,
+            self.packed_grad
+        )
+    }
+}
+
+static FORWARD_TUNER: Tuner<SwiGluKey> = local_tuner!("bastile-swiglu-forward");
+static BACKWARD_TUNER: Tuner<SwiGluKey> = local_tuner!("bastile-swiglu-backward");
+
+/// Forgets every tuning decision taken in this process.
+pub fn clear_autotune() {
+    FORWARD_TUNER.clear();
+    BACKWARD_TUNER.clear();
+}
+
+fn key<R: Runtime>(
+    client: &ComputeClient<R>,
+    problem: &SwiGluProblem,
+    packed_in: bool,
+    packed_grad: bool,
+    backward: bool,
+) -> SwiGluKey {
+    let vector_size = problem.vector_size(client);
+    let row_items = problem.inter / vector_size;
+    SwiGluKey {
+        items_bucket: items_bucket(problem.rows * row_items),
+        row_items,
+        dtype: problem.dtype,
+        vector_size,
+        packed_in,
+        packed_grad,
+        backward,
+    }
+}
+
+/// Runs the forward kernel with the autotuned configuration.
+pub fn forward<R: Runtime>(
+    client: &ComputeClient<R>,
+    device: &R::Device,
+    problem: &SwiGluProblem,
+    buffers: &SwiGluForwardBuffers,
+) -> Result<(), KernelError> {
+    problem.validate()?;
+    let key = key(client, problem, buffers.input.packed(), false, false);
+    run_tuned(
+        &FORWARD_TUNER,
+        key,
+        forward_with::<R>,
+        client,
+        device,
+        problem,
+        buffers,
+        Arc::new(candidates(client, problem)),
+    )
+}
+
+/// Runs the backward kernel with the autotuned configuration.
+pub fn backward<R: Runtime>(
+    client: &ComputeClient<R>,
+    device: &R::Device,
+    problem: &SwiGluProblem,
+    buffers: &SwiGluBackwardBuffers,
+) -> Result<(), KernelError> {
+    problem.validate()?;
+    let key = key(
+        client,
+        problem,
+        buffers.input.packed(),
+        buffers.grad.packed(),
+        true,
+    );
+    run_tuned(
+        &BACKWARD_TUNER,
+        key,
+        backward_with::<R>,
+        client,
+        device,
+        problem,
+        buffers,
+        Arc::new(candidates(client, problem)),
+    )
+}

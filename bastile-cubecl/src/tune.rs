@@ -1,0 +1,170 @@
+//! Autotuning shared by every op: a memoized candidate list per device and
+//! problem class, and one CubeCL tunable per candidate slot.
+//!
+//! Each op supplies its key (what the best configuration depends on), its
+//! candidate configurations and a launcher that runs one of them. CubeCL
+//! benchmarks the candidates on first use of a key and keeps the winner in
+//! its persistent cache.
+
+use std::collections::HashMap;
+use std::fmt::{Debug, Display};
+use std::hash::Hash;
+use std::sync::{Arc, Mutex};
+
+use cubecl::prelude::*;
+use cubecl::tune::{AutotuneKey, LocalTuner, Tunable, TunableSet, TuneGroup};
+
+use crate::KernelError;
+
+/// How many candidates the autotuner benchmarks at most.
+pub const MAX_TUNABLES: usize = 24;
+
+/// The autotune key of an op: its own key plus how many candidates exist for
+/// the problem on this device (tunables past that count are skipped).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct TuneKey<K> {
+    pub op: K,
+    pub candidates: usize,
+}
+
+impl<K: Display> Display for TuneKey<K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({} candidates)", self.op, self.candidates)
+    }
+}
+
+impl<K> AutotuneKey for TuneKey<K> where
+    K: Clone
+        + Debug
+        + PartialEq
+        + Eq
+        + Hash
+        + Display
+        + serde::Serialize
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static
+{
+}
+
+/// The tuner of one op (one static per op and direction).
+pub type Tuner<K> = LocalTuner<TuneKey<K>, cubecl::CubeTuneId>;
+
+/// Candidate lists per device and problem class. Building one checks every
+/// configuration against the device, too slow to repeat on every launch.
+pub struct CandidateCache<C, L> {
+    lists: Mutex<Option<HashMap<(cubecl::CubeTuneId, C), Arc<Vec<L>>>>>,
+}
+
+impl<C: Clone + Eq + Hash, L> CandidateCache<C, L> {
+    pub const fn new() -> Self {
+        Self {
+            lists: Mutex::new(None),
+        }
+    }
+
+    /// The list for `class` on the device of `id`, built by `build` once.
+    pub fn get(
+        &self,
+        id: &cubecl::CubeTuneId,
+        class: C,
+        build: impl FnOnce() -> Vec<L>,
+    ) -> Arc<Vec<L>> {
+        let mut lists = self.lists.lock().unwrap_or_else(|e| e.into_inner());
+        lists
+            .get_or_insert_with(HashMap::new)
+            .entry((id.clone(), class))
+            .or_insert_with(|| Arc::new(build()))
+            .clone()
+    }
+}
+
+impl<C: Clone + Eq + Hash, L> Default for CandidateCache<C, L> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Runs one explicit configuration.
+pub type Launcher<R, P, Buffers, L> =
+    fn(&ComputeClient<R>, &P, &Buffers, &L) -> Result<(), KernelError>;
+
+type Inputs<R, P, Buffers, L, K> = (ComputeClient<R>, P, Buffers, Arc<Vec<L>>, K);
+
+/// Runs `launch` with the configuration `tuner` picked for `key` on this
+/// device, tuning it on first use. The tunable set holds one tunable per
+/// candidate slot; each resolves its slot against the problem's list.
+#[allow(clippy::too_many_arguments)]
+pub fn run_tuned<R, K, P, Buffers, L>(
+    tuner: &'static Tuner<K>,
+    key: K,
+    launch: Launcher<R, P, Buffers, L>,
+    client: &ComputeClient<R>,
+    device: &R::Device,
+    problem: &P,
+    buffers: &Buffers,
+    candidates: Arc<Vec<L>>,
+) -> Result<(), KernelError>
+where
+    R: Runtime,
+    K: Clone
+        + Debug
+        + PartialEq
+        + Eq
+        + Hash
+        + Display
+        + serde::Serialize
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+    P: Clone + Send + Sync + 'static,
+    Buffers: Clone + Send + Sync + 'static,
+    L: Send + Sync + 'static,
+{
+    if candidates.is_empty() {
+        return Err(KernelError::Unsupported(format!(
+            "no launch configuration fits {key} on this device"
+        )));
+    }
+    let id = cubecl::CubeTuneId::new(client, device);
+    let set = tuner.init(move || {
+        let group = TuneGroup::<TuneKey<K>>::new("candidates", |_| 0);
+        let mut set = TunableSet::<TuneKey<K>, Inputs<R, P, Buffers, L, K>, ()>::new_cloning_inputs(
+            move |(_, _, _, c, k): &Inputs<R, P, Buffers, L, K>| TuneKey {
+                op: k.clone(),
+                candidates: c.len(),
+            },
+        );
+        for i in 0..MAX_TUNABLES {
+            let tunable = Tunable::new(
+                &format!("candidate-{i}"),
+                move |(client, p, b, c, _): Inputs<R, P, Buffers, L, K>| {
+                    let config = c.get(i).ok_or("no such candidate for this problem")?;
+                    launch(&client, &p, &b, config).map_err(|e| e.to_string())
+                },
+            );
+            set = set.with(tunable.group(
+                &group,
+                move |key: &TuneKey<K>| {
+                    if i < key.candidates { 0 } else { -1 }
+                },
+            ));
+        }
+        set
+    });
+    tuner.execute(
+        &id,
+        client,
+        set,
+        (
+            client.clone(),
+            problem.clone(),
+            buffers.clone(),
+            candidates,
+            key,
+        ),
+    );
+    Ok(())
+}
