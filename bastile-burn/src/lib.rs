@@ -30,6 +30,9 @@
 //!   backend implements it; `Bastile<B>` overrides them with kernels, and
 //!   `Autodiff<B>` gives each fused op a single autodiff node whose backward
 //!   is the fused backward kernel.
+//! * The fused ops, each with a checked entry point: [`rms_norm`],
+//!   [`swiglu`] / [`swiglu_packed`], [`geglu_oss`] (GPT-OSS experts),
+//!   [`rope`] / [`rope_one`] with [`RopeTables`].
 //! * [`apply`], [`reset`], [`patched_ops`] switch ops on and off at run time;
 //!   a disabled op takes the composite path.
 //! * [`nn`] has drop-in replacements for the matching `burn::nn` modules.
@@ -50,16 +53,26 @@ pub use backend::Bastile;
 pub use bastile_cubecl::rms_norm::RmsNormCast;
 pub use error::BastileError;
 pub use ops::BastileBackend;
+pub use ops::geglu::geglu_oss;
+pub use ops::rms_norm::rms_norm;
+pub use ops::rope::{RopeLayout, RopeOptions, RopePairing, RopeTables, rope, rope_one};
+pub use ops::swiglu::{GluTensors, swiglu, swiglu_packed};
 pub use patches::{Op, Patches, apply, patched_ops, reset};
 
 /// Forgets the launch configurations autotuned in this process, so the
 /// next call of each op tunes again (CubeCL's on-disk cache is kept).
 pub fn clear_autotune_cache() {
     bastile_cubecl::rms_norm::clear_autotune();
+    bastile_cubecl::swiglu::clear_autotune();
+    bastile_cubecl::geglu::clear_autotune();
+    bastile_cubecl::rope::clear_autotune();
 }
 
 /// Compiles and autotunes every enabled fused kernel on `device` for small
 /// representative shapes, so the first training step does not pay for it.
 pub fn warmup_all_kernels<B: BastileBackend>(device: &B::Device) {
     ops::rms_norm::warmup::<B>(device);
+    ops::swiglu::warmup::<B>(device);
+    ops::geglu::warmup::<B>(device);
+    ops::rope::warmup::<B>(device);
 }

@@ -9,11 +9,14 @@ use std::sync::atomic::{AtomicU32, Ordering};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Op {
     RmsNorm,
+    SwiGlu,
+    Geglu,
+    Rope,
 }
 
 impl Op {
     /// Every switchable op.
-    pub const ALL: [Op; 1] = [Op::RmsNorm];
+    pub const ALL: [Op; 4] = [Op::RmsNorm, Op::SwiGlu, Op::Geglu, Op::Rope];
 
     fn bit(self) -> u32 {
         1 << (self as u32)
@@ -23,6 +26,9 @@ impl Op {
     pub fn name(self) -> &'static str {
         match self {
             Op::RmsNorm => "rms_norm",
+            Op::SwiGlu => "swiglu",
+            Op::Geglu => "geglu",
+            Op::Rope => "rope",
         }
     }
 }
@@ -37,26 +43,43 @@ impl core::fmt::Display for Op {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Patches {
     pub rms_norm: bool,
+    pub swiglu: bool,
+    /// GPT-OSS's clamped GEGLU.
+    pub geglu: bool,
+    pub rope: bool,
 }
 
 impl Default for Patches {
     fn default() -> Self {
-        Self { rms_norm: true }
+        Self::all(true)
     }
 }
 
 impl Patches {
     /// Every op off: Burn's own composite ops everywhere.
     pub fn none() -> Self {
-        Self { rms_norm: false }
+        Self::all(false)
+    }
+
+    fn all(on: bool) -> Self {
+        Self {
+            rms_norm: on,
+            swiglu: on,
+            geglu: on,
+            rope: on,
+        }
     }
 
     fn bits(self) -> u32 {
-        let mut bits = 0;
-        if self.rms_norm {
-            bits |= Op::RmsNorm.bit();
-        }
-        bits
+        [
+            (self.rms_norm, Op::RmsNorm),
+            (self.swiglu, Op::SwiGlu),
+            (self.geglu, Op::Geglu),
+            (self.rope, Op::Rope),
+        ]
+        .into_iter()
+        .filter(|(on, _)| *on)
+        .fold(0, |bits, (_, op)| bits | op.bit())
     }
 }
 

@@ -11,15 +11,30 @@ type Gpu = burn::backend::Wgpu;
 
 #[test]
 fn switches_turn_the_fused_path_on_and_off() {
-    assert_eq!(patched_ops(), vec![Op::RmsNorm], "every op starts on");
+    assert_eq!(patched_ops(), Op::ALL.to_vec(), "every op starts on");
 
     reset();
     assert!(patched_ops().is_empty());
-    apply(Patches { rms_norm: true });
+    apply(Patches {
+        rms_norm: true,
+        ..Patches::none()
+    });
     assert_eq!(patched_ops(), vec![Op::RmsNorm]);
+    apply(Patches {
+        swiglu: true,
+        rope: true,
+        ..Patches::none()
+    });
+    assert_eq!(patched_ops(), vec![Op::SwiGlu, Op::Rope]);
+    apply(Patches {
+        geglu: true,
+        ..Patches::none()
+    });
+    assert_eq!(patched_ops(), vec![Op::Geglu]);
     apply(Patches::none());
     assert!(patched_ops().is_empty());
-    assert_eq!(Op::RmsNorm.to_string(), "rms_norm");
+    let names: Vec<String> = Op::ALL.iter().map(|op| op.to_string()).collect();
+    assert_eq!(names, ["rms_norm", "swiglu", "geglu", "rope"]);
 
     // NdArray has no kernels: never fused, whatever the switches say.
     apply(Patches::default());
@@ -53,6 +68,26 @@ fn switches_turn_the_fused_path_on_and_off() {
         let composite = norm.forward(x);
         let diff = (fused - composite).abs().max().into_scalar();
         assert!(diff < 1e-5, "fused and composite differ by {diff}");
+
+        // Each element-wise op follows its own switch.
+        apply(Patches {
+            swiglu: true,
+            ..Patches::none()
+        });
+        let fused = |d| {
+            [
+                <Bastile<Gpu> as BastileBackend>::swiglu_fused(&device, d),
+                <Bastile<Gpu> as BastileBackend>::geglu_oss_fused(&device, d),
+                <Bastile<Gpu> as BastileBackend>::rope_fused(&device, d),
+            ]
+        };
+        assert_eq!(fused(DType::F32), [true, false, false]);
+        apply(Patches {
+            geglu: true,
+            rope: true,
+            ..Patches::none()
+        });
+        assert_eq!(fused(DType::F32), [false, true, true]);
         apply(Patches::default());
     }
 }

@@ -64,6 +64,23 @@ impl TileLaunch {
     }
 }
 
+/// Errors unless the launch's vector width divides the row width and every
+/// row stride (`stride_multiple`).
+pub fn check_vector_fits(
+    op: &str,
+    width: usize,
+    stride_multiple: usize,
+    config: &TileLaunch,
+) -> Result<(), KernelError> {
+    let v = config.vector_size;
+    if !width.is_multiple_of(v) || !stride_multiple.is_multiple_of(v) {
+        return Err(KernelError::Unsupported(format!(
+            "{op}: vector size {v} does not divide rows of {width} with strides a multiple of {stride_multiple}"
+        )));
+    }
+    Ok(())
+}
+
 /// Every tile worth trying with vectors of `vector_size` elements, the
 /// default first (256 units, two items each).
 pub fn tile_candidates<R: Runtime>(
@@ -105,7 +122,14 @@ pub fn round_through<F: Float, N: Size>(v: Vector<f32, N>) -> Vector<f32, N> {
 #[cube]
 pub fn sigmoid<N: Size>(x: Vector<f32, N>) -> Vector<f32, N> {
     let one = Vector::<f32, N>::new(1.0);
-    one / (one + (-x).exp())
+    one / (one + neg(x).exp())
+}
+
+/// `−x` lane by lane (CUDA's vector types have no unary minus, so this is
+/// `0 − x`).
+#[cube]
+pub fn neg<N: Size>(x: Vector<f32, N>) -> Vector<f32, N> {
+    Vector::<f32, N>::new(0.0) - x
 }
 
 /// The size class of an element-wise problem for its autotune key: the item

@@ -21,7 +21,9 @@ use std::sync::Arc;
 use cubecl::prelude::*;
 use cubecl::tune::{LocalTuner, local_tuner};
 
-use crate::elementwise::{Tile, TileLaunch, items_bucket, tile_candidates, tile_item};
+use crate::elementwise::{
+    Tile, TileLaunch, check_vector_fits, items_bucket, tile_candidates, tile_item,
+};
 use crate::rows::Rows;
 use crate::tune::{Tuner, run_tuned};
 use crate::{FloatDtype, KernelError, launch};
@@ -196,18 +198,6 @@ fn geglu_backward_kernel<F: Float, N: Size>(
     }
 }
 
-fn check_vector(problem: &GegluProblem, config: &TileLaunch) -> Result<(), KernelError> {
-    if !problem.inter.is_multiple_of(config.vector_size)
-        || !problem.stride_multiple.is_multiple_of(config.vector_size)
-    {
-        return Err(KernelError::Unsupported(format!(
-            "vector size {} does not divide the GEGLU rows of {problem:?}",
-            config.vector_size
-        )));
-    }
-    Ok(())
-}
-
 /// Launches the forward kernel with one explicit configuration.
 pub fn forward_with<R: Runtime>(
     client: &ComputeClient<R>,
@@ -217,7 +207,7 @@ pub fn forward_with<R: Runtime>(
 ) -> Result<(), KernelError> {
     problem.validate()?;
     config.check(client)?;
-    check_vector(problem, config)?;
+    check_vector_fits("GEGLU", problem.inter, problem.stride_multiple, config)?;
     if problem.rows == 0 {
         return Ok(());
     }
@@ -252,7 +242,7 @@ pub fn backward_with<R: Runtime>(
 ) -> Result<(), KernelError> {
     problem.validate()?;
     config.check(client)?;
-    check_vector(problem, config)?;
+    check_vector_fits("GEGLU", problem.inter, problem.stride_multiple, config)?;
     if problem.rows == 0 {
         return Ok(());
     }

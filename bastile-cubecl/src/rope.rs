@@ -26,7 +26,7 @@ use cubecl::server::Handle;
 use cubecl::tune::{LocalTuner, local_tuner};
 
 use crate::elementwise::{
-    Tile, TileLaunch, items_bucket, round_through, tile_candidates, tile_item,
+    Tile, TileLaunch, items_bucket, neg, round_through, tile_candidates, tile_item,
 };
 use crate::tune::{Tuner, run_tuned};
 use crate::{FloatDtype, KernelError, launch};
@@ -245,7 +245,7 @@ fn rotate_item<F: Float, N: Size>(
     let c = round_through::<F, N>(cos[t_at]);
     let mut s = round_through::<F, N>(sin[t_at]);
     if comptime![cfg.inverse] {
-        s = -s;
+        s = neg(s);
     }
 
     if comptime![cfg.interleaved] {

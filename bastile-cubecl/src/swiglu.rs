@@ -18,7 +18,8 @@ use cubecl::server::Handle;
 use cubecl::tune::{LocalTuner, local_tuner};
 
 use crate::elementwise::{
-    Tile, TileLaunch, items_bucket, round_through, sigmoid, tile_candidates, tile_item,
+    Tile, TileLaunch, check_vector_fits, items_bucket, round_through, sigmoid, tile_candidates,
+    tile_item,
 };
 use crate::rows::Rows;
 use crate::tune::{Tuner, run_tuned};
@@ -241,7 +242,7 @@ pub fn forward_with<R: Runtime>(
 ) -> Result<(), KernelError> {
     problem.validate()?;
     config.check(client)?;
-    check_vector(problem, config)?;
+    check_vector_fits("SwiGLU", problem.inter, problem.stride_multiple, config)?;
     if problem.rows == 0 {
         return Ok(());
     }
@@ -285,7 +286,7 @@ pub fn backward_with<R: Runtime>(
 ) -> Result<(), KernelError> {
     problem.validate()?;
     config.check(client)?;
-    check_vector(problem, config)?;
+    check_vector_fits("SwiGLU", problem.inter, problem.stride_multiple, config)?;
     if problem.rows == 0 {
         return Ok(());
     }
@@ -324,18 +325,6 @@ pub fn backward_with<R: Runtime>(
             cfg,
             problem.dtype.storage(),
         )
-    }
-    Ok(())
-}
-
-fn check_vector(problem: &SwiGluProblem, config: &TileLaunch) -> Result<(), KernelError> {
-    if !problem.inter.is_multiple_of(config.vector_size)
-        || !problem.stride_multiple.is_multiple_of(config.vector_size)
-    {
-        return Err(KernelError::Unsupported(format!(
-            "vector size {} does not divide the SwiGLU rows of {problem:?}",
-            config.vector_size
-        )));
     }
     Ok(())
 }

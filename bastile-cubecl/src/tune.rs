@@ -54,8 +54,10 @@ pub type Tuner<K> = LocalTuner<TuneKey<K>, cubecl::CubeTuneId>;
 /// Candidate lists per device and problem class. Building one checks every
 /// configuration against the device, too slow to repeat on every launch.
 pub struct CandidateCache<C, L> {
-    lists: Mutex<Option<HashMap<(cubecl::CubeTuneId, C), Arc<Vec<L>>>>>,
+    lists: Mutex<Option<CandidateLists<C, L>>>,
 }
+
+type CandidateLists<C, L> = HashMap<(cubecl::CubeTuneId, C), Arc<Vec<L>>>;
 
 impl<C: Clone + Eq + Hash, L> CandidateCache<C, L> {
     pub const fn new() -> Self {

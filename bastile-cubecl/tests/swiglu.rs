@@ -47,6 +47,7 @@ fn unpack(both: &[f64], inter: usize) -> (Vec<f64>, Vec<f64>) {
     (g, u)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn check<R: Runtime>(
     client: &ComputeClient<R>,
     device: &R::Device,

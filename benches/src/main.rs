@@ -3,8 +3,12 @@
 //! the yardstick. `cargo xtask bench` builds and runs it.
 
 mod copy;
+mod geglu;
+mod passes;
 mod report;
 mod rms_norm;
+mod rope;
+mod swiglu;
 mod timing;
 
 use clap::{Parser, ValueEnum};
@@ -18,6 +22,9 @@ pub enum Runtime {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum OpName {
     RmsNorm,
+    Swiglu,
+    Geglu,
+    Rope,
 }
 
 #[derive(Parser, Debug)]
@@ -85,8 +92,18 @@ where
     let copy_gbs = copy::measure_copy_bandwidth::<R>(&device, args.tiny, args.samples);
     let mut report = report::Report::new(runtime, &B::name(&device), args.tiny, copy_gbs);
     eprintln!("device copy bandwidth: {copy_gbs:.1} GB/s (read + write)");
-    if args.op.is_none() || args.op == Some(OpName::RmsNorm) {
+    let wanted = |op| args.op.is_none() || args.op == Some(op);
+    if wanted(OpName::RmsNorm) {
         rms_norm::bench::<B>(&device, args, &mut report);
+    }
+    if wanted(OpName::Swiglu) {
+        swiglu::bench::<B>(&device, args, &mut report);
+    }
+    if wanted(OpName::Geglu) {
+        geglu::bench::<B>(&device, args, &mut report);
+    }
+    if wanted(OpName::Rope) {
+        rope::bench::<B>(&device, args, &mut report);
     }
     report
 }

@@ -83,7 +83,7 @@ where
             let t = median_seconds(
                 args.samples,
                 iters,
-                |i| drop(forward(data[i % sets].x.clone())),
+                |i| forward(data[i % sets].x.clone()),
                 sync,
             );
             report.push("rms_norm", &shape, &dname, "forward", name, t, fwd_bytes);
@@ -100,7 +100,7 @@ where
                         rstd[i % sets].clone(),
                         s.dy.clone(),
                     );
-                    drop(if fused {
+                    if fused {
                         <Bastile<B> as BastileBackend>::rms_norm_backward(
                             x,
                             g,
@@ -110,7 +110,7 @@ where
                         )
                     } else {
                         B::rms_norm_backward(x, g, r, dy, RmsNormCast::Llama)
-                    })
+                    }
                 },
                 sync,
             );
@@ -121,11 +121,16 @@ where
                 iters,
                 |i| {
                     let s = &data[i % sets];
-                    if fused {
-                        train_step::<Bastile<B>>(s.x.clone(), gamma.clone(), s.dy.clone());
+                    let kept: Box<dyn std::any::Any> = if fused {
+                        Box::new(train_step::<Bastile<B>>(
+                            s.x.clone(),
+                            gamma.clone(),
+                            s.dy.clone(),
+                        ))
                     } else {
-                        train_step::<B>(s.x.clone(), gamma.clone(), s.dy.clone());
-                    }
+                        Box::new(train_step::<B>(s.x.clone(), gamma.clone(), s.dy.clone()))
+                    };
+                    kept
                 },
                 sync,
             );
@@ -142,14 +147,20 @@ where
     }
 }
 
-/// One forward + backward through `Autodiff<X>` with `dy` as output gradient.
-fn train_step<X: BastileBackend>(x: FloatTensor<X>, gamma: FloatTensor<X>, dy: FloatTensor<X>) {
+/// One forward + backward through `Autodiff<X>` with `dy` as output
+/// gradient; returns the gradients (to be held until the device is done).
+fn train_step<X: BastileBackend>(
+    x: FloatTensor<X>,
+    gamma: FloatTensor<X>,
+    dy: FloatTensor<X>,
+) -> (Option<Tensor<X, 2>>, Option<Tensor<X, 1>>) {
     type A<X> = Autodiff<X>;
     let x = Tensor::<A<X>, 2>::from_inner(Tensor::from_primitive(TensorPrimitive::Float(x)))
         .require_grad();
     let g = Tensor::<A<X>, 1>::from_inner(Tensor::from_primitive(TensorPrimitive::Float(gamma)))
         .require_grad();
     let dy = Tensor::<A<X>, 2>::from_inner(Tensor::from_primitive(TensorPrimitive::Float(dy)));
-    let y = bastile::ops::rms_norm::rms_norm(x, g, EPS, RmsNormCast::Llama).expect("valid shapes");
-    drop((y * dy).sum().backward());
+    let y = bastile::rms_norm(x.clone(), g.clone(), EPS, RmsNormCast::Llama).expect("valid shapes");
+    let grads = (y * dy).sum().backward();
+    (x.grad(&grads), g.grad(&grads))
 }

@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use crate::{cargo, run};
 
 /// The test binaries that exercise kernels (the others need no GPU).
-const GPU_TESTS: &[&str] = &["rms_norm", "model_step"];
+const GPU_TESTS: &[&str] = &["rms_norm", "model_step", "swiglu", "geglu", "rope"];
 
 /// Builds with cargo and returns the executables it reports.
 fn build_executables(args: &[&str]) -> Result<Vec<(String, PathBuf)>, String> {
@@ -81,21 +81,24 @@ pub fn build(dest: &str) -> Result<(), String> {
     let script = format!(
         r#"#!/usr/bin/env bash
 # Runs Bastile's CUDA tests and benchmarks on a machine without Rust.
-# Usage: run.sh [tests|bench|all] [results-dir]
+# Usage: run.sh [tests|bench|all] [results-dir] [test binaries...]
+# Extra benchmark arguments (e.g. `--op swiglu`) come from $BENCH_ARGS.
 set -uo pipefail
 archive="$(cd "$(dirname "$0")" && pwd)/bastile-cuda.tar.xz"
 here="${{TMPDIR:-/tmp}}/bastile-cuda"; rm -rf "$here"; mkdir -p "$here"
 tar -C "$here" -xJf "$archive" || python3 -c "import sys,tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$archive" "$here"
 what="${{1:-all}}"; results="${{2:-$here/results}}"; mkdir -p "$results"
+shift 2 2>/dev/null || shift $#
+selected="${{*:-{tests}}}"
 export BASTILE_TEST_RUNTIMES=cuda XDG_RUNTIME_DIR="${{XDG_RUNTIME_DIR:-/tmp}}"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  for t in {tests}; do
+  for t in $selected; do
     echo "== $t"; (cd "$here/tests" && "./$t" --test-threads=1) 2>&1 | tee "$results/$t.log" || status=1
   done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  (cd "$here" && ./bastile-bench --runtime cuda --out "$results/cuda-bench.json") 2>&1 | tee "$results/bench.log" || status=1
+  (cd "$here" && ./bastile-bench --runtime cuda --out "$results/cuda-bench.json" ${{BENCH_ARGS:-}}) 2>&1 | tee "$results/bench.log" || status=1
 fi
 exit $status
 "#,

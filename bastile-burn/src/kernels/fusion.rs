@@ -12,49 +12,98 @@ use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
 use super::KernelBackend;
 use crate::RmsNormCast;
+use crate::ops::rope::RopeOptions;
+use crate::ops::swiglu::GluTensors;
 
-#[derive(Clone, Debug)]
-struct RmsNormForwardOp<B> {
+/// What a recorded op runs on `B` once its inputs are resolved.
+type Call<B> = Box<dyn Fn(Vec<FloatTensor<B>>) -> Vec<FloatTensor<B>> + Send + Sync>;
+
+struct KernelOp<B: FusionBackend> {
     desc: CustomOpIr,
-    eps: f64,
-    cast: RmsNormCast,
+    call: Call<B>,
     _b: PhantomData<B>,
 }
 
-impl<B: FusionBackend + KernelBackend> Operation<B::FusionRuntime> for RmsNormForwardOp<B> {
-    fn execute(
-        &self,
-        handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
-    ) {
-        let ([x, gamma], [y, rstd]) = self.desc.as_fixed();
-        let x = handles.get_float_tensor::<B>(x);
-        let gamma = handles.get_float_tensor::<B>(gamma);
-        let (out, r) = B::rms_norm_forward_kernel(x, gamma, self.eps, self.cast);
-        handles.register_float_tensor::<B>(&y.id, out);
-        handles.register_float_tensor::<B>(&rstd.id, r);
+impl<B: FusionBackend> core::fmt::Debug for KernelOp<B> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "KernelOp({})", self.desc.id)
     }
 }
 
-#[derive(Clone, Debug)]
-struct RmsNormBackwardOp<B> {
-    desc: CustomOpIr,
-    cast: RmsNormCast,
-    _b: PhantomData<B>,
-}
-
-impl<B: FusionBackend + KernelBackend> Operation<B::FusionRuntime> for RmsNormBackwardOp<B> {
+impl<B: FusionBackend> Operation<B::FusionRuntime> for KernelOp<B> {
     fn execute(
         &self,
         handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
     ) {
-        let ([x, gamma, rstd, dy], [dx, dgamma]) = self.desc.as_fixed();
-        let x = handles.get_float_tensor::<B>(x);
-        let gamma = handles.get_float_tensor::<B>(gamma);
-        let rstd = handles.get_float_tensor::<B>(rstd);
-        let dy = handles.get_float_tensor::<B>(dy);
-        let (gx, gg) = B::rms_norm_backward_kernel(x, gamma, rstd, dy, self.cast);
-        handles.register_float_tensor::<B>(&dx.id, gx);
-        handles.register_float_tensor::<B>(&dgamma.id, gg);
+        let inputs = self
+            .desc
+            .inputs
+            .iter()
+            .map(|ir| handles.get_float_tensor::<B>(ir))
+            .collect();
+        let outputs = (self.call)(inputs);
+        assert_eq!(
+            outputs.len(),
+            self.desc.outputs.len(),
+            "{} returned the wrong number of outputs",
+            self.desc.id
+        );
+        for (ir, out) in self.desc.outputs.iter().zip(outputs) {
+            handles.register_float_tensor::<B>(&ir.id, out);
+        }
+    }
+}
+
+/// Records `call` as a custom op with these inputs and outputs (shape and
+/// dtype each) and returns the output tensors.
+fn record<B: FusionBackend>(
+    name: &'static str,
+    inputs: Vec<FloatTensor<Fusion<B>>>,
+    outputs: Vec<(Shape, DType)>,
+    call: impl Fn(Vec<FloatTensor<B>>) -> Vec<FloatTensor<B>> + Send + Sync + 'static,
+) -> Vec<FloatTensor<Fusion<B>>> {
+    let client = inputs[0].client.clone();
+    let streams = OperationStreams::with_inputs(inputs.iter());
+    let outputs: Vec<TensorIr> = outputs
+        .into_iter()
+        .map(|(shape, dtype)| TensorIr::uninit(client.create_empty_handle(), shape, dtype))
+        .collect();
+    let inputs: Vec<TensorIr> = inputs.into_iter().map(|t| t.into_ir()).collect();
+    let desc = CustomOpIr::new(name, &inputs, &outputs);
+    client.register(
+        streams,
+        OperationIr::Custom(desc.clone()),
+        KernelOp::<B> {
+            desc,
+            call: Box::new(call),
+            _b: PhantomData,
+        },
+    )
+}
+
+fn with_last(shape: &Shape, last: usize) -> Shape {
+    let mut s = shape.clone();
+    let d = s.num_dims() - 1;
+    s[d] = last;
+    s
+}
+
+fn glu_parts<T>(g: GluTensors<T>) -> Vec<T> {
+    match g {
+        GluTensors::Separate { gate, up } => vec![gate, up],
+        GluTensors::Packed(both) => vec![both],
+    }
+}
+
+fn glu_from<T>(packed: bool, mut parts: Vec<T>) -> GluTensors<T> {
+    if packed {
+        GluTensors::Packed(parts.remove(0))
+    } else {
+        let up = parts.remove(1);
+        GluTensors::Separate {
+            gate: parts.remove(0),
+            up,
+        }
     }
 }
 
@@ -69,30 +118,20 @@ impl<B: FusionBackend + KernelBackend> KernelBackend for Fusion<B> {
         eps: f64,
         cast: RmsNormCast,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let client = x.client.clone();
         let rows = x.shape.num_elements() / x.shape.last().copied().unwrap_or(1).max(1);
-        let streams = OperationStreams::with_inputs([&x, &gamma]);
-        let y = TensorIr::uninit(client.create_empty_handle(), x.shape.clone(), x.dtype);
-        let rstd = TensorIr::uninit(client.create_empty_handle(), Shape::new([rows]), DType::F32);
-        let desc = CustomOpIr::new(
+        let outputs = vec![(x.shape.clone(), x.dtype), (Shape::new([rows]), DType::F32)];
+        let mut out = record::<B>(
             "bastile_rms_norm_forward",
-            &[x.into_ir(), gamma.into_ir()],
-            &[y, rstd],
+            vec![x, gamma],
+            outputs,
+            move |mut i| {
+                let gamma = i.pop().expect("two inputs");
+                let (y, rstd) = B::rms_norm_forward_kernel(i.pop().expect("x"), gamma, eps, cast);
+                vec![y, rstd]
+            },
         );
-        let [y, rstd] = client
-            .register(
-                streams,
-                OperationIr::Custom(desc.clone()),
-                RmsNormForwardOp::<B> {
-                    desc,
-                    eps,
-                    cast,
-                    _b: PhantomData,
-                },
-            )
-            .try_into()
-            .expect("the custom op declares two outputs");
-        (y, rstd)
+        let rstd = out.pop().expect("two outputs");
+        (out.pop().expect("two outputs"), rstd)
     }
 
     fn rms_norm_backward_kernel(
@@ -102,31 +141,115 @@ impl<B: FusionBackend + KernelBackend> KernelBackend for Fusion<B> {
         dy: FloatTensor<Self>,
         cast: RmsNormCast,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let client = x.client.clone();
-        let streams = OperationStreams::with_inputs([&x, &gamma, &rstd, &dy]);
-        let dx = TensorIr::uninit(client.create_empty_handle(), x.shape.clone(), x.dtype);
-        let dgamma = TensorIr::uninit(
-            client.create_empty_handle(),
-            gamma.shape.clone(),
-            gamma.dtype,
-        );
-        let desc = CustomOpIr::new(
+        let outputs = vec![
+            (x.shape.clone(), x.dtype),
+            (gamma.shape.clone(), gamma.dtype),
+        ];
+        let mut out = record::<B>(
             "bastile_rms_norm_backward",
-            &[x.into_ir(), gamma.into_ir(), rstd.into_ir(), dy.into_ir()],
-            &[dx, dgamma],
+            vec![x, gamma, rstd, dy],
+            outputs,
+            move |i| {
+                let [x, gamma, rstd, dy]: [_; 4] =
+                    i.try_into().unwrap_or_else(|_| panic!("four inputs"));
+                let (dx, dg) = B::rms_norm_backward_kernel(x, gamma, rstd, dy, cast);
+                vec![dx, dg]
+            },
         );
-        let [dx, dgamma] = client
-            .register(
-                streams,
-                OperationIr::Custom(desc.clone()),
-                RmsNormBackwardOp::<B> {
-                    desc,
-                    cast,
-                    _b: PhantomData,
-                },
-            )
-            .try_into()
-            .expect("the custom op declares two outputs");
-        (dx, dgamma)
+        let dgamma = out.pop().expect("two outputs");
+        (out.pop().expect("two outputs"), dgamma)
+    }
+
+    fn elementwise_supported(device: &Device<Self>, dtype: DType) -> bool {
+        B::elementwise_supported(device, dtype)
+    }
+
+    fn swiglu_forward_kernel(input: GluTensors<FloatTensor<Self>>) -> FloatTensor<Self> {
+        let packed = matches!(input, GluTensors::Packed(_));
+        let first = input.first();
+        let width = *first.shape.last().expect("rank >= 1");
+        let inter = if packed { width / 2 } else { width };
+        let outputs = vec![(with_last(&first.shape, inter), first.dtype)];
+        let mut out = record::<B>(
+            "bastile_swiglu_forward",
+            glu_parts(input),
+            outputs,
+            move |i| vec![B::swiglu_forward_kernel(glu_from(packed, i))],
+        );
+        out.pop().expect("one output")
+    }
+
+    fn swiglu_backward_kernel(
+        input: GluTensors<FloatTensor<Self>>,
+        dout: FloatTensor<Self>,
+    ) -> GluTensors<FloatTensor<Self>> {
+        let packed = matches!(input, GluTensors::Packed(_));
+        let mut inputs = glu_parts(input);
+        let outputs = inputs.iter().map(|t| (t.shape.clone(), t.dtype)).collect();
+        inputs.push(dout);
+        let out = record::<B>("bastile_swiglu_backward", inputs, outputs, move |mut i| {
+            let dout = i.pop().expect("dout");
+            glu_parts(B::swiglu_backward_kernel(glu_from(packed, i), dout))
+        });
+        glu_from(packed, out)
+    }
+
+    fn geglu_forward_kernel(x: FloatTensor<Self>, alpha: f64, limit: f64) -> FloatTensor<Self> {
+        let width = *x.shape.last().expect("rank >= 1");
+        let outputs = vec![(with_last(&x.shape, width / 2), x.dtype)];
+        let mut out = record::<B>("bastile_geglu_forward", vec![x], outputs, move |mut i| {
+            vec![B::geglu_forward_kernel(i.pop().expect("x"), alpha, limit)]
+        });
+        out.pop().expect("one output")
+    }
+
+    fn geglu_backward_kernel(
+        x: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        alpha: f64,
+        limit: f64,
+    ) -> FloatTensor<Self> {
+        let outputs = vec![(x.shape.clone(), x.dtype)];
+        let mut out = record::<B>(
+            "bastile_geglu_backward",
+            vec![x, dout],
+            outputs,
+            move |mut i| {
+                let dout = i.pop().expect("dout");
+                vec![B::geglu_backward_kernel(
+                    i.pop().expect("x"),
+                    dout,
+                    alpha,
+                    limit,
+                )]
+            },
+        );
+        out.pop().expect("one output")
+    }
+
+    fn rope_kernel(
+        q: FloatTensor<Self>,
+        k: Option<FloatTensor<Self>>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        options: RopeOptions,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let has_k = k.is_some();
+        let mut outputs = vec![(q.shape.clone(), q.dtype)];
+        let mut inputs = vec![cos, sin, q];
+        if let Some(k) = k {
+            outputs.push((k.shape.clone(), k.dtype));
+            inputs.push(k);
+        }
+        let mut out = record::<B>("bastile_rope", inputs, outputs, move |mut i| {
+            let k = if has_k { i.pop() } else { None };
+            let q = i.pop().expect("q");
+            let sin = i.pop().expect("sin");
+            let cos = i.pop().expect("cos");
+            let (q, k) = B::rope_kernel(q, k, cos, sin, options);
+            std::iter::once(q).chain(k).collect()
+        });
+        let k = if has_k { out.pop() } else { None };
+        (out.pop().expect("q output"), k)
     }
 }

@@ -14,6 +14,8 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Device};
 
 use crate::RmsNormCast;
+use crate::ops::rope::RopeOptions;
+use crate::ops::swiglu::GluTensors;
 
 /// A backend that can run Bastile's fused kernels. The `*_kernel` methods
 /// are only called when the matching `*_supported` predicate said yes.
@@ -43,6 +45,51 @@ pub trait KernelBackend: Backend {
         _cast: RmsNormCast,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         unreachable!("rms_norm_backward_kernel called on a backend that does not support it")
+    }
+
+    /// Whether the element-wise kernels (SwiGLU, GEGLU, RoPE) take `dtype`
+    /// on `device`.
+    fn elementwise_supported(_device: &Device<Self>, _dtype: DType) -> bool {
+        false
+    }
+
+    /// Fused SwiGLU forward.
+    fn swiglu_forward_kernel(_input: GluTensors<FloatTensor<Self>>) -> FloatTensor<Self> {
+        unreachable!("swiglu_forward_kernel called on a backend that does not support it")
+    }
+
+    /// Fused SwiGLU backward: gradients in the form of the input.
+    fn swiglu_backward_kernel(
+        _input: GluTensors<FloatTensor<Self>>,
+        _dout: FloatTensor<Self>,
+    ) -> GluTensors<FloatTensor<Self>> {
+        unreachable!("swiglu_backward_kernel called on a backend that does not support it")
+    }
+
+    /// Fused GEGLU forward.
+    fn geglu_forward_kernel(_x: FloatTensor<Self>, _alpha: f64, _limit: f64) -> FloatTensor<Self> {
+        unreachable!("geglu_forward_kernel called on a backend that does not support it")
+    }
+
+    /// Fused GEGLU backward.
+    fn geglu_backward_kernel(
+        _x: FloatTensor<Self>,
+        _dout: FloatTensor<Self>,
+        _alpha: f64,
+        _limit: f64,
+    ) -> FloatTensor<Self> {
+        unreachable!("geglu_backward_kernel called on a backend that does not support it")
+    }
+
+    /// Fused RoPE of q (and k) in one launch.
+    fn rope_kernel(
+        _q: FloatTensor<Self>,
+        _k: Option<FloatTensor<Self>>,
+        _cos: FloatTensor<Self>,
+        _sin: FloatTensor<Self>,
+        _options: RopeOptions,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        unreachable!("rope_kernel called on a backend that does not support it")
     }
 }
 

@@ -8,17 +8,22 @@
 //!   `B`'s backward method (see each op's file), and takes the composite
 //!   path when `B` has no fused kernel for the input.
 
+pub mod geglu;
 pub mod rms_norm;
+pub mod rope;
+pub mod swiglu;
 
 use burn::backend::NdArray;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Device};
+use burn::tensor::{DType, Device, Tensor, TensorMetadata, TensorPrimitive};
 use burn_autodiff::Autodiff;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
-use crate::{Bastile, RmsNormCast, patches};
+use crate::{Bastile, BastileError, RmsNormCast, patches};
+use rope::RopeOptions;
+use swiglu::GluTensors;
 
 pub use crate::kernels::KernelBackend;
 
@@ -63,6 +68,61 @@ pub trait BastileBackend: Backend {
         cast: RmsNormCast,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         rms_norm::composite_backward::<Self>(x, gamma, rstd, dy, cast)
+    }
+
+    /// Whether [`BastileBackend::swiglu`] runs a fused kernel for `dtype`.
+    fn swiglu_fused(_device: &Device<Self>, _dtype: DType) -> bool {
+        false
+    }
+
+    /// `silu(gate) · up`.
+    fn swiglu(input: GluTensors<FloatTensor<Self>>) -> FloatTensor<Self> {
+        swiglu::composite_forward::<Self>(input)
+    }
+
+    /// SwiGLU backward: d_gate and d_up, in the form of the input.
+    fn swiglu_backward(
+        input: GluTensors<FloatTensor<Self>>,
+        dout: FloatTensor<Self>,
+    ) -> GluTensors<FloatTensor<Self>> {
+        swiglu::composite_backward::<Self>(input, dout)
+    }
+
+    /// Whether [`BastileBackend::geglu_oss`] runs a fused kernel for `dtype`.
+    fn geglu_oss_fused(_device: &Device<Self>, _dtype: DType) -> bool {
+        false
+    }
+
+    /// GPT-OSS's clamped GEGLU over interleaved `gate_up`.
+    fn geglu_oss(x: FloatTensor<Self>, alpha: f64, limit: f64) -> FloatTensor<Self> {
+        geglu::composite_forward::<Self>(x, alpha, limit)
+    }
+
+    /// GEGLU backward: the interleaved input gradient.
+    fn geglu_oss_backward(
+        x: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        alpha: f64,
+        limit: f64,
+    ) -> FloatTensor<Self> {
+        geglu::composite_backward::<Self>(x, dout, alpha, limit)
+    }
+
+    /// Whether [`BastileBackend::rope`] runs a fused kernel for `dtype`.
+    fn rope_fused(_device: &Device<Self>, _dtype: DType) -> bool {
+        false
+    }
+
+    /// Rotates q (and k) by the table angles; `cos`/`sin` are f32
+    /// `[tables, positions, head_dim/2]`.
+    fn rope(
+        q: FloatTensor<Self>,
+        k: Option<FloatTensor<Self>>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        options: RopeOptions,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        rope::composite::<Self>(q, k, cos, sin, options)
     }
 }
 
@@ -109,6 +169,74 @@ impl<B: KernelBackend> BastileBackend for Bastile<B> {
             rms_norm::composite_backward::<B>(x, gamma, rstd, dy, cast)
         }
     }
+
+    fn swiglu_fused(device: &Device<Self>, dtype: DType) -> bool {
+        patches::is_enabled(patches::Op::SwiGlu) && B::elementwise_supported(device, dtype)
+    }
+
+    fn swiglu(input: GluTensors<FloatTensor<Self>>) -> FloatTensor<Self> {
+        let first = input.first();
+        if Self::swiglu_fused(&B::float_device(first), first.dtype()) {
+            B::swiglu_forward_kernel(input)
+        } else {
+            swiglu::composite_forward::<B>(input)
+        }
+    }
+
+    fn swiglu_backward(
+        input: GluTensors<FloatTensor<Self>>,
+        dout: FloatTensor<Self>,
+    ) -> GluTensors<FloatTensor<Self>> {
+        let first = input.first();
+        if Self::swiglu_fused(&B::float_device(first), first.dtype()) {
+            B::swiglu_backward_kernel(input, dout)
+        } else {
+            swiglu::composite_backward::<B>(input, dout)
+        }
+    }
+
+    fn geglu_oss_fused(device: &Device<Self>, dtype: DType) -> bool {
+        patches::is_enabled(patches::Op::Geglu) && B::elementwise_supported(device, dtype)
+    }
+
+    fn geglu_oss(x: FloatTensor<Self>, alpha: f64, limit: f64) -> FloatTensor<Self> {
+        if Self::geglu_oss_fused(&B::float_device(&x), x.dtype()) {
+            B::geglu_forward_kernel(x, alpha, limit)
+        } else {
+            geglu::composite_forward::<B>(x, alpha, limit)
+        }
+    }
+
+    fn geglu_oss_backward(
+        x: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        alpha: f64,
+        limit: f64,
+    ) -> FloatTensor<Self> {
+        if Self::geglu_oss_fused(&B::float_device(&x), x.dtype()) {
+            B::geglu_backward_kernel(x, dout, alpha, limit)
+        } else {
+            geglu::composite_backward::<B>(x, dout, alpha, limit)
+        }
+    }
+
+    fn rope_fused(device: &Device<Self>, dtype: DType) -> bool {
+        patches::is_enabled(patches::Op::Rope) && B::elementwise_supported(device, dtype)
+    }
+
+    fn rope(
+        q: FloatTensor<Self>,
+        k: Option<FloatTensor<Self>>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        options: RopeOptions,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        if Self::rope_fused(&B::float_device(&q), q.dtype()) {
+            B::rope_kernel(q, k, cos, sin, options)
+        } else {
+            rope::composite::<B>(q, k, cos, sin, options)
+        }
+    }
 }
 
 impl<B: BastileBackend, C: CheckpointStrategy> BastileBackend for Autodiff<B, C> {
@@ -123,5 +251,67 @@ impl<B: BastileBackend, C: CheckpointStrategy> BastileBackend for Autodiff<B, C>
         cast: RmsNormCast,
     ) -> FloatTensor<Self> {
         rms_norm::autodiff::<B, C>(x, gamma, eps, cast)
+    }
+
+    fn swiglu_fused(device: &Device<Self>, dtype: DType) -> bool {
+        B::swiglu_fused(device, dtype)
+    }
+
+    fn swiglu(input: GluTensors<FloatTensor<Self>>) -> FloatTensor<Self> {
+        swiglu::autodiff::<B, C>(input)
+    }
+
+    fn geglu_oss_fused(device: &Device<Self>, dtype: DType) -> bool {
+        B::geglu_oss_fused(device, dtype)
+    }
+
+    fn geglu_oss(x: FloatTensor<Self>, alpha: f64, limit: f64) -> FloatTensor<Self> {
+        geglu::autodiff::<B, C>(x, alpha, limit)
+    }
+
+    fn rope_fused(device: &Device<Self>, dtype: DType) -> bool {
+        B::rope_fused(device, dtype)
+    }
+
+    fn rope(
+        q: FloatTensor<Self>,
+        k: Option<FloatTensor<Self>>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        options: RopeOptions,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        rope::autodiff::<B, C>(q, k, cos, sin, options)
+    }
+}
+
+/// A primitive as a tensor of rank `D`.
+pub(crate) fn float<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+/// Errors unless `dtype` is a floating-point dtype.
+pub(crate) fn check_float(what: &str, dtype: DType) -> Result<(), BastileError> {
+    if matches!(dtype, DType::F32 | DType::F16 | DType::BF16 | DType::F64) {
+        Ok(())
+    } else {
+        Err(BastileError::DType(format!(
+            "{what} must be floating point, got {dtype:?}"
+        )))
+    }
+}
+
+/// Errors unless both devices are the same.
+pub(crate) fn check_same_device<D: PartialEq + core::fmt::Debug>(
+    a_what: &str,
+    a: &D,
+    b_what: &str,
+    b: &D,
+) -> Result<(), BastileError> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(BastileError::Device(format!(
+            "{a_what} is on {a:?} but {b_what} is on {b:?}"
+        )))
     }
 }

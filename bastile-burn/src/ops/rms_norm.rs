@@ -13,6 +13,7 @@ use burn_autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 
+use crate::ops::{check_float, check_same_device, float};
 use crate::{BastileBackend, BastileError, RmsNormCast};
 
 /// RMSNorm over the last dimension of `x`, scaled by `gamma`
@@ -62,23 +63,13 @@ pub(crate) fn check<B: Backend, const D: usize>(
         )));
     }
     let (xd, gd) = (x.dtype(), gamma.dtype());
-    if !matches!(xd, DType::F32 | DType::F16 | DType::BF16 | DType::F64) {
-        return Err(BastileError::DType(format!(
-            "RMSNorm takes a floating-point input, got {xd:?}"
-        )));
-    }
+    check_float("RMSNorm input", xd)?;
     if xd != gd {
         return Err(BastileError::DType(format!(
             "RMSNorm input is {xd:?} but its weight is {gd:?}"
         )));
     }
-    if x.device() != gamma.device() {
-        return Err(BastileError::Device(format!(
-            "RMSNorm input is on {:?} but its weight is on {:?}",
-            x.device(),
-            gamma.device()
-        )));
-    }
+    check_same_device("RMSNorm input", &x.device(), "its weight", &gamma.device())?;
     if !(eps.is_finite() && eps > 0.0) {
         return Err(BastileError::Config(format!(
             "RMSNorm eps must be positive and finite, got {eps}"
@@ -92,10 +83,6 @@ pub(crate) fn hidden_of<B: Backend>(x: &FloatTensor<B>) -> usize {
     *x.shape()
         .last()
         .expect("RMSNorm inputs are validated to have rank >= 1")
-}
-
-fn float<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
-    Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
 fn rows_hidden(shape: &Shape) -> (usize, usize) {

@@ -1,5 +1,11 @@
-//! Direct launches on `CubeBackend`: make the inputs contiguous, allocate
-//! the outputs, run the autotuned kernel.
+//! Direct launches on `CubeBackend`: lay the inputs out as the kernels take
+//! them (copying only when their strides do not allow it), allocate the
+//! outputs, run the autotuned kernel. One file per op.
+
+mod geglu;
+mod rms_norm;
+mod rope;
+mod swiglu;
 
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Device, Shape, TensorMetadata};
@@ -9,10 +15,12 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 use bastile_cubecl::launch::gcd;
-use bastile_cubecl::rms_norm::{self, BackwardBuffers, ForwardBuffers, RmsNormProblem, Rows};
+use bastile_cubecl::rows::Rows;
 
 use super::{KernelBackend, kernel_dtype};
 use crate::RmsNormCast;
+use crate::ops::rope::RopeOptions;
+use crate::ops::swiglu::GluTensors;
 
 /// `(rows, row stride)` when the tensor is a stack of unit-stride rows of
 /// its last dimension, evenly spaced (CubeCL's optimized layouts pad the
@@ -46,13 +54,21 @@ fn row_alignment(hidden: usize, elem_size: usize) -> usize {
     gcd(hidden, 16 / elem_size)
 }
 
+/// Where the tensor's data starts in its buffer, in elements (views made
+/// by slicing start past the beginning).
+fn offset_elems<R: CubeRuntime>(t: &CubeTensor<R>) -> usize {
+    t.handle.offset_start.unwrap_or(0) as usize / t.dtype.size()
+}
+
 /// The tensor as evenly spaced, aligned rows; copied into a fresh layout
-/// only when its strides do not allow that.
+/// only when its strides or start do not allow that.
 fn as_rows<R: CubeRuntime>(t: CubeTensor<R>) -> (CubeTensor<R>, Rows) {
     let shape = t.shape();
     let align = row_alignment(*shape.last().expect("rank >= 1"), t.dtype.size());
     let aligned = |t: &CubeTensor<R>| {
-        row_layout(&t.shape(), t.meta.strides()).filter(|&(_, stride)| stride.is_multiple_of(align))
+        row_layout(&t.shape(), t.meta.strides())
+            .filter(|&(_, stride)| stride.is_multiple_of(align))
+            .filter(|_| offset_elems(t).is_multiple_of(align))
     };
     let t = if aligned(&t).is_some() {
         t
@@ -67,22 +83,15 @@ fn as_rows<R: CubeRuntime>(t: CubeTensor<R>) -> (CubeTensor<R>, Rows) {
     (t, rows)
 }
 
-fn problem<R: CubeRuntime>(
-    x: &CubeTensor<R>,
-    eps: f64,
-    cast: RmsNormCast,
-    rows: &[&Rows],
-) -> RmsNormProblem {
-    let shape = x.shape();
-    let hidden = *shape.last().expect("validated rank >= 1");
-    RmsNormProblem {
-        rows: shape.num_elements() / hidden,
-        hidden,
-        eps: eps as f32,
-        cast,
-        dtype: kernel_dtype(x.dtype).expect("validated dtype"),
-        stride_multiple: rows.iter().fold(hidden, |g, r| gcd(g, r.stride)),
-    }
+/// `(rows, row length)` of a tensor seen as rows of its last dimension.
+fn rows_cols(shape: &Shape) -> (usize, usize) {
+    let cols = *shape.last().expect("validated rank >= 1");
+    (shape.num_elements() / cols.max(1), cols)
+}
+
+/// The gcd of `width` and every row stride: bounds the vector width.
+fn stride_multiple(width: usize, rows: &[&Rows]) -> usize {
+    rows.iter().fold(width, |g, r| gcd(g, r.stride))
 }
 
 fn empty_like<R: CubeRuntime>(x: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
@@ -93,19 +102,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KernelBack
     for CubeBackend<R, F, I, BT>
 {
     fn rms_norm_supported(device: &Device<Self>, hidden: usize, dtype: DType) -> bool {
-        let Some(dtype) = kernel_dtype(dtype) else {
-            return false;
-        };
-        let client = R::client(device);
-        let probe = RmsNormProblem {
-            rows: 1,
-            hidden,
-            eps: 1e-6,
-            cast: RmsNormCast::Llama,
-            dtype,
-            stride_multiple: row_alignment(hidden, dtype.size()),
-        };
-        rms_norm::supported(&client, device, &probe)
+        rms_norm::supported::<R>(device, hidden, dtype)
     }
 
     fn rms_norm_forward_kernel(
@@ -114,21 +111,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KernelBack
         eps: f64,
         cast: RmsNormCast,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (x, x_rows) = as_rows(x);
-        let gamma = into_contiguous(gamma);
-        let (out, out_rows) = as_rows(empty_like(&x, x.shape(), x.dtype));
-        let problem = problem(&x, eps, cast, &[&x_rows, &out_rows]);
-        let rstd = empty_like(&x, Shape::new([problem.rows]), DType::F32);
-        let buffers = ForwardBuffers {
-            x: x_rows,
-            gamma: gamma.handle.clone(),
-            out: out_rows,
-            rstd: rstd.handle.clone(),
-        };
-        rms_norm::forward(&x.client, &x.device, &problem, &buffers).unwrap_or_else(|e| {
-            panic!("RMSNorm forward launch after a positive support check: {e}")
-        });
-        (out, rstd)
+        rms_norm::forward(x, gamma, eps, cast)
     }
 
     fn rms_norm_backward_kernel(
@@ -138,24 +121,45 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KernelBack
         dy: FloatTensor<Self>,
         cast: RmsNormCast,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (x, x_rows) = as_rows(x);
-        let gamma = into_contiguous(gamma);
-        let rstd = into_contiguous(rstd);
-        let (_dy, dy_rows) = as_rows(dy);
-        let (dx, dx_rows) = as_rows(empty_like(&x, x.shape(), x.dtype));
-        let problem = problem(&x, 0.0, cast, &[&x_rows, &dy_rows, &dx_rows]);
-        let dgamma = empty_like(&x, gamma.shape(), gamma.dtype);
-        let buffers = BackwardBuffers {
-            x: x_rows,
-            gamma: gamma.handle.clone(),
-            rstd: rstd.handle.clone(),
-            dy: dy_rows,
-            dx: dx_rows,
-            dgamma: dgamma.handle.clone(),
-        };
-        rms_norm::backward(&x.client, &x.device, &problem, &buffers).unwrap_or_else(|e| {
-            panic!("RMSNorm backward launch after a positive support check: {e}")
-        });
-        (dx, dgamma)
+        rms_norm::backward(x, gamma, rstd, dy, cast)
+    }
+
+    fn elementwise_supported(device: &Device<Self>, dtype: DType) -> bool {
+        kernel_dtype(dtype)
+            .is_some_and(|d| R::client(device).properties().supports_type(d.storage()))
+    }
+
+    fn swiglu_forward_kernel(input: GluTensors<FloatTensor<Self>>) -> FloatTensor<Self> {
+        swiglu::forward(input)
+    }
+
+    fn swiglu_backward_kernel(
+        input: GluTensors<FloatTensor<Self>>,
+        dout: FloatTensor<Self>,
+    ) -> GluTensors<FloatTensor<Self>> {
+        swiglu::backward(input, dout)
+    }
+
+    fn geglu_forward_kernel(x: FloatTensor<Self>, alpha: f64, limit: f64) -> FloatTensor<Self> {
+        geglu::forward(x, alpha, limit)
+    }
+
+    fn geglu_backward_kernel(
+        x: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        alpha: f64,
+        limit: f64,
+    ) -> FloatTensor<Self> {
+        geglu::backward(x, dout, alpha, limit)
+    }
+
+    fn rope_kernel(
+        q: FloatTensor<Self>,
+        k: Option<FloatTensor<Self>>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        options: RopeOptions,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        rope::rope(q, k, cos, sin, options)
     }
 }

@@ -1,0 +1,280 @@
+//! SwiGLU: the checked public entry points, the composite reference, and
+//! the autodiff nodes of the fused op.
+//!
+//! Semantics (HF transformers, eager): `out = cast(silu(g)) · up`, silu
+//! computed in f32 and stored in the input dtype, as `act_fn(gate) * up`
+//! does. Backward recomputes the sigmoid from `gate`.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Distribution, Tensor, TensorMetadata};
+use burn_autodiff::Autodiff;
+use burn_autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
+use burn_autodiff::grads::Gradients;
+use burn_autodiff::ops::{Backward, Ops, OpsKind};
+
+use crate::ops::{check_float, check_same_device, float};
+use crate::{BastileBackend, BastileError};
+
+/// Gate and up activations (or their gradients): two tensors of the same
+/// shape, or one tensor whose last dimension holds the gate half then the
+/// up half (the output of one fused gate+up projection).
+#[derive(Clone, Debug)]
+pub enum GluTensors<T> {
+    Separate { gate: T, up: T },
+    Packed(T),
+}
+
+impl<T> GluTensors<T> {
+    /// Applies `f` to every tensor.
+    pub fn map<U>(self, mut f: impl FnMut(T) -> U) -> GluTensors<U> {
+        match self {
+            GluTensors::Separate { gate, up } => GluTensors::Separate {
+                gate: f(gate),
+                up: f(up),
+            },
+            GluTensors::Packed(both) => GluTensors::Packed(f(both)),
+        }
+    }
+
+    /// The first tensor (the gate, or the packed tensor).
+    pub fn first(&self) -> &T {
+        match self {
+            GluTensors::Separate { gate, .. } => gate,
+            GluTensors::Packed(both) => both,
+        }
+    }
+}
+
+/// `silu(gate) · up` for two tensors of the same shape.
+///
+/// Errors when the shapes, dtypes or devices differ or the dtype is not
+/// floating point.
+pub fn swiglu<B: BastileBackend, const D: usize>(
+    gate: Tensor<B, D>,
+    up: Tensor<B, D>,
+) -> Result<Tensor<B, D>, BastileError> {
+    check_float("SwiGLU gate", gate.dtype())?;
+    if gate.dims() != up.dims() {
+        return Err(BastileError::Shape(format!(
+            "SwiGLU gate has shape {:?} but up has shape {:?}",
+            gate.dims(),
+            up.dims()
+        )));
+    }
+    if gate.dtype() != up.dtype() {
+        return Err(BastileError::DType(format!(
+            "SwiGLU gate is {:?} but up is {:?}",
+            gate.dtype(),
+            up.dtype()
+        )));
+    }
+    check_same_device("SwiGLU gate", &gate.device(), "up", &up.device())?;
+    let out = B::swiglu(GluTensors::Separate {
+        gate: gate.into_primitive().tensor(),
+        up: up.into_primitive().tensor(),
+    });
+    Ok(float(out))
+}
+
+/// `silu(gate) · up` where the last dimension of `gate_up` holds the gate
+/// half then the up half; the output's last dimension is half as wide.
+///
+/// Errors when the last dimension is odd or the dtype is not floating point.
+pub fn swiglu_packed<B: BastileBackend, const D: usize>(
+    gate_up: Tensor<B, D>,
+) -> Result<Tensor<B, D>, BastileError> {
+    check_float("SwiGLU gate_up", gate_up.dtype())?;
+    let dims = gate_up.dims();
+    if D == 0 || !dims[D - 1].is_multiple_of(2) {
+        return Err(BastileError::Shape(format!(
+            "packed SwiGLU needs an even last dimension (gate then up), got shape {dims:?}"
+        )));
+    }
+    Ok(float(B::swiglu(GluTensors::Packed(
+        gate_up.into_primitive().tensor(),
+    ))))
+}
+
+/// Splits a packed tensor into its gate and up halves (views).
+fn split<B: Backend>(both: FloatTensor<B>) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let shape = both.shape();
+    let width = *shape.last().expect("rank >= 1");
+    let rows = shape.num_elements() / width.max(1);
+    let inter = width / 2;
+    let t = float::<B, 2>(B::float_reshape(both, [rows, width].into()));
+    (
+        t.clone().slice([0..rows, 0..inter]),
+        t.slice([0..rows, inter..width]),
+    )
+}
+
+/// `(gate, up)` as 2-D `[rows, inter]` tensors, and the output shape.
+fn operands<B: Backend>(
+    input: GluTensors<FloatTensor<B>>,
+) -> (Tensor<B, 2>, Tensor<B, 2>, burn::tensor::Shape) {
+    match input {
+        GluTensors::Separate { gate, up } => {
+            let shape = gate.shape();
+            let inter = *shape.last().expect("rank >= 1");
+            let rows = shape.num_elements() / inter.max(1);
+            (
+                float::<B, 2>(gate).reshape([rows, inter]),
+                float::<B, 2>(up).reshape([rows, inter]),
+                shape,
+            )
+        }
+        GluTensors::Packed(both) => {
+            let mut shape = both.shape();
+            let (g, u) = split::<B>(both);
+            let last = shape.num_dims() - 1;
+            shape[last] /= 2;
+            (g, u, shape)
+        }
+    }
+}
+
+/// Reference forward with plain Burn ops.
+pub fn composite_forward<B: Backend>(input: GluTensors<FloatTensor<B>>) -> FloatTensor<B> {
+    let (gate, up, shape) = operands::<B>(input);
+    let dtype = gate.dtype();
+    let g = gate.cast(DType::F32);
+    let a = (g.clone() * burn::tensor::activation::sigmoid(g)).cast(dtype);
+    B::float_reshape((a * up).into_primitive().tensor(), shape)
+}
+
+/// Reference backward with plain Burn ops: the gradients in the input's form.
+pub fn composite_backward<B: Backend>(
+    input: GluTensors<FloatTensor<B>>,
+    dout: FloatTensor<B>,
+) -> GluTensors<FloatTensor<B>> {
+    let packed = matches!(input, GluTensors::Packed(_));
+    let in_shape = input.first().shape();
+    let (gate, up, _) = operands::<B>(input);
+    let dtype = gate.dtype();
+    let d = float::<B, 2>(dout).reshape(gate.dims());
+    let g = gate.cast(DType::F32);
+    let s = burn::tensor::activation::sigmoid(g.clone());
+    let a = (g.clone() * s.clone()).cast(dtype);
+    let da = (d.clone() * up).cast(DType::F32);
+    let dg = (da * s.clone() * ((s.neg() + 1.0) * g + 1.0)).cast(dtype);
+    let du = d * a;
+    if packed {
+        let both = Tensor::cat(vec![dg, du], 1);
+        GluTensors::Packed(B::float_reshape(both.into_primitive().tensor(), in_shape))
+    } else {
+        GluTensors::Separate {
+            gate: B::float_reshape(dg.into_primitive().tensor(), in_shape.clone()),
+            up: B::float_reshape(du.into_primitive().tensor(), in_shape),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct SwiGluBackward;
+
+impl<B: BastileBackend> Backward<B, 2> for SwiGluBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let [node_gate, node_up] = ops.parents;
+        let dout = grads.consume::<B>(&ops.node);
+        let (gate, up) = ops.state;
+        let GluTensors::Separate { gate: dg, up: du } =
+            B::swiglu_backward(GluTensors::Separate { gate, up }, dout)
+        else {
+            unreachable!("separate inputs give separate gradients")
+        };
+        if let Some(node) = node_gate {
+            grads.register::<B>(node.id, dg);
+        }
+        if let Some(node) = node_up {
+            grads.register::<B>(node.id, du);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct SwiGluPackedBackward;
+
+impl<B: BastileBackend> Backward<B, 1> for SwiGluPackedBackward {
+    type State = FloatTensor<B>;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 1>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let [node] = ops.parents;
+        let dout = grads.consume::<B>(&ops.node);
+        let GluTensors::Packed(d) = B::swiglu_backward(GluTensors::Packed(ops.state), dout) else {
+            unreachable!("packed input gives a packed gradient")
+        };
+        if let Some(node) = node {
+            grads.register::<B>(node.id, d);
+        }
+    }
+}
+
+/// `Autodiff<B>`'s SwiGLU: one node that saves only gate and up and whose
+/// backward is `B`'s fused backward, or the composite graph when `B` does
+/// not fuse this input.
+pub(crate) fn autodiff<B: BastileBackend, C: CheckpointStrategy>(
+    input: GluTensors<FloatTensor<Autodiff<B, C>>>,
+) -> FloatTensor<Autodiff<B, C>> {
+    let first = &input.first().primitive;
+    if !B::swiglu_fused(&B::float_device(first), first.dtype()) {
+        return composite_forward::<Autodiff<B, C>>(input);
+    }
+    match input {
+        GluTensors::Separate { gate, up } => match SwiGluBackward
+            .prepare::<C>([gate.node.clone(), up.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let out = B::swiglu(GluTensors::Separate {
+                    gate: gate.primitive.clone(),
+                    up: up.primitive.clone(),
+                });
+                prep.finish((gate.primitive, up.primitive), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::swiglu(GluTensors::Separate {
+                gate: gate.primitive,
+                up: up.primitive,
+            })),
+        },
+        GluTensors::Packed(both) => match SwiGluPackedBackward
+            .prepare::<C>([both.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let out = B::swiglu(GluTensors::Packed(both.primitive.clone()));
+                prep.finish(both.primitive, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::swiglu(GluTensors::Packed(both.primitive))),
+        },
+    }
+}
+
+/// Compiles (and autotunes) the SwiGLU kernels for a few widths.
+pub(crate) fn warmup<B: BastileBackend>(device: &B::Device) {
+    for (rows, inter) in [(256, 1024), (256, 3072)] {
+        let gate = Tensor::<B, 2>::random([rows, inter], Distribution::Normal(0.0, 1.0), device);
+        let up = Tensor::<B, 2>::random([rows, inter], Distribution::Normal(0.0, 1.0), device);
+        let input = GluTensors::Separate {
+            gate: gate.into_primitive().tensor(),
+            up: up.into_primitive().tensor(),
+        };
+        let out = B::swiglu(input.clone());
+        let _ = B::swiglu_backward(input, out);
+    }
+    let _ = B::sync(device);
+}
