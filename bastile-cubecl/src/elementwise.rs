@@ -64,21 +64,25 @@ impl TileLaunch {
     }
 }
 
-/// Errors unless the launch's vector width divides the row width and every
-/// row stride (`stride_multiple`).
-pub fn check_vector_fits(
+/// Checks a row-tiled launch of `rows` rows of `width` elements (every row
+/// stride a multiple of `stride_multiple`) and returns its vector width and
+/// items per row, or `None` when there is nothing to launch.
+pub fn row_tile<R: Runtime>(
+    client: &ComputeClient<R>,
     op: &str,
+    rows: usize,
     width: usize,
     stride_multiple: usize,
     config: &TileLaunch,
-) -> Result<(), KernelError> {
+) -> Result<Option<(usize, usize)>, KernelError> {
+    config.check(client)?;
     let v = config.vector_size;
     if !width.is_multiple_of(v) || !stride_multiple.is_multiple_of(v) {
         return Err(KernelError::Unsupported(format!(
             "{op}: vector size {v} does not divide rows of {width} with strides a multiple of {stride_multiple}"
         )));
     }
-    Ok(())
+    Ok((rows > 0).then_some((v, width / v)))
 }
 
 /// Every tile worth trying with vectors of `vector_size` elements, the

@@ -21,9 +21,7 @@ use std::sync::Arc;
 use cubecl::prelude::*;
 use cubecl::tune::{LocalTuner, local_tuner};
 
-use crate::elementwise::{
-    Tile, TileLaunch, check_vector_fits, items_bucket, tile_candidates, tile_item,
-};
+use crate::elementwise::{Tile, TileLaunch, items_bucket, row_tile, tile_candidates, tile_item};
 use crate::rows::Rows;
 use crate::tune::{Tuner, run_tuned};
 use crate::{FloatDtype, KernelError, launch};
@@ -206,13 +204,17 @@ pub fn forward_with<R: Runtime>(
     config: &TileLaunch,
 ) -> Result<(), KernelError> {
     problem.validate()?;
-    config.check(client)?;
-    check_vector_fits("GEGLU", problem.inter, problem.stride_multiple, config)?;
-    if problem.rows == 0 {
+    let tile = row_tile(
+        client,
+        "GEGLU",
+        problem.rows,
+        problem.inter,
+        problem.stride_multiple,
+        config,
+    )?;
+    let Some((v, row_items)) = tile else {
         return Ok(());
-    }
-    let v = config.vector_size;
-    let row_items = problem.inter / v;
+    };
     unsafe {
         geglu_forward_kernel::launch_unchecked::<R>(
             client,
@@ -241,13 +243,17 @@ pub fn backward_with<R: Runtime>(
     config: &TileLaunch,
 ) -> Result<(), KernelError> {
     problem.validate()?;
-    config.check(client)?;
-    check_vector_fits("GEGLU", problem.inter, problem.stride_multiple, config)?;
-    if problem.rows == 0 {
+    let tile = row_tile(
+        client,
+        "GEGLU",
+        problem.rows,
+        problem.inter,
+        problem.stride_multiple,
+        config,
+    )?;
+    let Some((v, row_items)) = tile else {
         return Ok(());
-    }
-    let v = config.vector_size;
-    let row_items = problem.inter / v;
+    };
     unsafe {
         geglu_backward_kernel::launch_unchecked::<R>(
             client,

@@ -18,8 +18,7 @@ use cubecl::server::Handle;
 use cubecl::tune::{LocalTuner, local_tuner};
 
 use crate::elementwise::{
-    Tile, TileLaunch, check_vector_fits, items_bucket, round_through, sigmoid, tile_candidates,
-    tile_item,
+    Tile, TileLaunch, items_bucket, round_through, row_tile, sigmoid, tile_candidates, tile_item,
 };
 use crate::rows::Rows;
 use crate::tune::{Tuner, run_tuned};
@@ -241,13 +240,17 @@ pub fn forward_with<R: Runtime>(
     config: &TileLaunch,
 ) -> Result<(), KernelError> {
     problem.validate()?;
-    config.check(client)?;
-    check_vector_fits("SwiGLU", problem.inter, problem.stride_multiple, config)?;
-    if problem.rows == 0 {
+    let tile = row_tile(
+        client,
+        "SwiGLU",
+        problem.rows,
+        problem.inter,
+        problem.stride_multiple,
+        config,
+    )?;
+    let Some((v, row_items)) = tile else {
         return Ok(());
-    }
-    let v = config.vector_size;
-    let row_items = problem.inter / v;
+    };
     let dummy = client.empty(16);
     let input = buffers
         .input
@@ -285,13 +288,17 @@ pub fn backward_with<R: Runtime>(
     config: &TileLaunch,
 ) -> Result<(), KernelError> {
     problem.validate()?;
-    config.check(client)?;
-    check_vector_fits("SwiGLU", problem.inter, problem.stride_multiple, config)?;
-    if problem.rows == 0 {
+    let tile = row_tile(
+        client,
+        "SwiGLU",
+        problem.rows,
+        problem.inter,
+        problem.stride_multiple,
+        config,
+    )?;
+    let Some((v, row_items)) = tile else {
         return Ok(());
-    }
-    let v = config.vector_size;
-    let row_items = problem.inter / v;
+    };
     let dummy_in = client.empty(16);
     let dummy_out = client.empty(16);
     let input = buffers

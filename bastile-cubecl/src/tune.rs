@@ -33,7 +33,23 @@ impl<K: Display> Display for TuneKey<K> {
     }
 }
 
-impl<K> AutotuneKey for TuneKey<K> where
+/// What an op's own key must be to live in CubeCL's persistent cache.
+pub trait OpKey:
+    Clone
+    + Debug
+    + PartialEq
+    + Eq
+    + Hash
+    + Display
+    + serde::Serialize
+    + serde::de::DeserializeOwned
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<K> OpKey for K where
     K: Clone
         + Debug
         + PartialEq
@@ -47,6 +63,8 @@ impl<K> AutotuneKey for TuneKey<K> where
         + 'static
 {
 }
+
+impl<K: OpKey> AutotuneKey for TuneKey<K> {}
 
 /// The tuner of one op (one static per op and direction).
 pub type Tuner<K> = LocalTuner<TuneKey<K>, cubecl::CubeTuneId>;
@@ -110,17 +128,7 @@ pub fn run_tuned<R, K, P, Buffers, L>(
 ) -> Result<(), KernelError>
 where
     R: Runtime,
-    K: Clone
-        + Debug
-        + PartialEq
-        + Eq
-        + Hash
-        + Display
-        + serde::Serialize
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
+    K: OpKey,
     P: Clone + Send + Sync + 'static,
     Buffers: Clone + Send + Sync + 'static,
     L: Send + Sync + 'static,
