@@ -8,8 +8,11 @@
 //! The row length is comptime, so the row/column split of an item index is a
 //! division by a constant.
 
+use std::sync::Arc;
+
 use cubecl::prelude::*;
 
+use crate::tune::{CandidateCache, Launcher, OpKey, Tuner, run_tuned};
 use crate::{KernelError, launch};
 
 /// One launch configuration of a tiled element-wise kernel.
@@ -105,6 +108,33 @@ pub fn tile_candidates<R: Runtime>(
         }
     }
     out
+}
+
+/// Tile lists per device and vector width: they depend on nothing else.
+static TILES: CandidateCache<usize, TileLaunch> = CandidateCache::new();
+
+/// Runs `launch` with the tile `tuner` picked for `key` among the tiles of
+/// vectors of `vector_size` elements (memoized per device), tuning on first
+/// use of the key.
+#[allow(clippy::too_many_arguments)]
+pub fn run_tiled<R: Runtime, K: OpKey, P, Buffers>(
+    tuner: &'static Tuner<K>,
+    key: K,
+    vector_size: usize,
+    launch: Launcher<R, P, Buffers, TileLaunch>,
+    client: &ComputeClient<R>,
+    device: &R::Device,
+    problem: &P,
+    buffers: &Buffers,
+) -> Result<(), KernelError>
+where
+    P: Clone + Send + Sync + 'static,
+    Buffers: Clone + Send + Sync + 'static,
+{
+    let id = cubecl::CubeTuneId::new(client, device);
+    let tiles: Arc<Vec<TileLaunch>> =
+        TILES.get(&id, vector_size, || tile_candidates(client, vector_size));
+    run_tuned(tuner, key, launch, client, &id, problem, buffers, tiles)
 }
 
 /// The index of the `k`-th item of this unit.

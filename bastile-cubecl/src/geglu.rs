@@ -16,14 +16,14 @@
 //! `d_up = du1` where `−limit ≤ up ≤ limit`, else 0 (torch.clamp's rule:
 //! the gradient passes at exactly ±limit).
 
-use std::sync::Arc;
-
 use cubecl::prelude::*;
 use cubecl::tune::{LocalTuner, local_tuner};
 
-use crate::elementwise::{Tile, TileLaunch, items_bucket, row_tile, tile_candidates, tile_item};
+use crate::elementwise::{
+    Tile, TileLaunch, items_bucket, row_tile, run_tiled, tile_candidates, tile_item,
+};
 use crate::rows::Rows;
-use crate::tune::{Tuner, run_tuned};
+use crate::tune::Tuner;
 use crate::{FloatDtype, KernelError, launch};
 
 /// `rows` rows of `inter` interleaved (gate, up) pairs, i.e. `2·inter`
@@ -317,8 +317,7 @@ pub fn clear_autotune() {
     BACKWARD_TUNER.clear();
 }
 
-fn key<R: Runtime>(client: &ComputeClient<R>, problem: &GegluProblem, backward: bool) -> GegluKey {
-    let vector_size = problem.vector_size(client);
+fn key(problem: &GegluProblem, vector_size: usize, backward: bool) -> GegluKey {
     let row_items = problem.inter / vector_size;
     GegluKey {
         items_bucket: items_bucket(problem.rows * row_items),
@@ -337,15 +336,16 @@ pub fn forward<R: Runtime>(
     buffers: &GegluForwardBuffers,
 ) -> Result<(), KernelError> {
     problem.validate()?;
-    run_tuned(
+    let v = problem.vector_size(client);
+    run_tiled(
         &FORWARD_TUNER,
-        key(client, problem, false),
+        key(problem, v, false),
+        v,
         forward_with::<R>,
         client,
         device,
         problem,
         buffers,
-        Arc::new(candidates(client, problem)),
     )
 }
 
@@ -357,14 +357,15 @@ pub fn backward<R: Runtime>(
     buffers: &GegluBackwardBuffers,
 ) -> Result<(), KernelError> {
     problem.validate()?;
-    run_tuned(
+    let v = problem.vector_size(client);
+    run_tiled(
         &BACKWARD_TUNER,
-        key(client, problem, true),
+        key(problem, v, true),
+        v,
         backward_with::<R>,
         client,
         device,
         problem,
         buffers,
-        Arc::new(candidates(client, problem)),
     )
 }

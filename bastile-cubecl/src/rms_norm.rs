@@ -636,7 +636,7 @@ fn run<R: Runtime, Buffers: Clone + Send + Sync + 'static>(
     let candidates = cached_candidates(client, &id, problem);
     let key = RmsNormKey::new(problem, &candidates, backward);
     run_tuned(
-        tuner, key, launch, client, device, problem, buffers, candidates,
+        tuner, key, launch, client, &id, problem, buffers, candidates,
     )
 }
 

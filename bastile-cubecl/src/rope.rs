@@ -19,16 +19,14 @@
 //! row `offset + s` of the batch's table (one table shared by the batch, or
 //! one per batch entry for explicit position ids).
 
-use std::sync::Arc;
-
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 use cubecl::tune::{LocalTuner, local_tuner};
 
 use crate::elementwise::{
-    Tile, TileLaunch, items_bucket, neg, round_through, tile_candidates, tile_item,
+    Tile, TileLaunch, items_bucket, neg, round_through, run_tiled, tile_candidates, tile_item,
 };
-use crate::tune::{Tuner, run_tuned};
+use crate::tune::Tuner;
 use crate::{FloatDtype, KernelError, launch};
 
 /// Which elements of a head vector form a rotated pair.
@@ -488,14 +486,14 @@ pub fn rope<R: Runtime>(
         vector_size,
         pairing: problem.pairing,
     };
-    run_tuned(
+    run_tiled(
         &TUNER,
         key,
+        vector_size,
         rope_with::<R>,
         client,
         device,
         problem,
         buffers,
-        Arc::new(candidates(client, problem)),
     )
 }

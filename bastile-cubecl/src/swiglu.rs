@@ -11,17 +11,16 @@
 //! the gate half then the up half (the output of one fused gate+up
 //! projection), so no split copy is made; gradients come back in either form.
 
-use std::sync::Arc;
-
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 use cubecl::tune::{LocalTuner, local_tuner};
 
 use crate::elementwise::{
-    Tile, TileLaunch, items_bucket, round_through, row_tile, sigmoid, tile_candidates, tile_item,
+    Tile, TileLaunch, items_bucket, round_through, row_tile, run_tiled, sigmoid, tile_candidates,
+    tile_item,
 };
 use crate::rows::Rows;
-use crate::tune::{Tuner, run_tuned};
+use crate::tune::Tuner;
 use crate::{FloatDtype, KernelError, launch};
 
 /// `rows` rows of `inter` gate and `inter` up elements.
@@ -381,14 +380,13 @@ pub fn clear_autotune() {
     BACKWARD_TUNER.clear();
 }
 
-fn key<R: Runtime>(
-    client: &ComputeClient<R>,
+fn key(
     problem: &SwiGluProblem,
+    vector_size: usize,
     packed_in: bool,
     packed_grad: bool,
     backward: bool,
 ) -> SwiGluKey {
-    let vector_size = problem.vector_size(client);
     let row_items = problem.inter / vector_size;
     SwiGluKey {
         items_bucket: items_bucket(problem.rows * row_items),
@@ -409,16 +407,17 @@ pub fn forward<R: Runtime>(
     buffers: &SwiGluForwardBuffers,
 ) -> Result<(), KernelError> {
     problem.validate()?;
-    let key = key(client, problem, buffers.input.packed(), false, false);
-    run_tuned(
+    let v = problem.vector_size(client);
+    let key = key(problem, v, buffers.input.packed(), false, false);
+    run_tiled(
         &FORWARD_TUNER,
         key,
+        v,
         forward_with::<R>,
         client,
         device,
         problem,
         buffers,
-        Arc::new(candidates(client, problem)),
     )
 }
 
@@ -430,21 +429,22 @@ pub fn backward<R: Runtime>(
     buffers: &SwiGluBackwardBuffers,
 ) -> Result<(), KernelError> {
     problem.validate()?;
+    let v = problem.vector_size(client);
     let key = key(
-        client,
         problem,
+        v,
         buffers.input.packed(),
         buffers.grad.packed(),
         true,
     );
-    run_tuned(
+    run_tiled(
         &BACKWARD_TUNER,
         key,
+        v,
         backward_with::<R>,
         client,
         device,
         problem,
         buffers,
-        Arc::new(candidates(client, problem)),
     )
 }

@@ -112,16 +112,16 @@ pub type Launcher<R, P, Buffers, L> =
 
 type Inputs<R, P, Buffers, L, K> = (ComputeClient<R>, P, Buffers, Arc<Vec<L>>, K);
 
-/// Runs `launch` with the configuration `tuner` picked for `key` on this
-/// device, tuning it on first use. The tunable set holds one tunable per
-/// candidate slot; each resolves its slot against the problem's list.
+/// Runs `launch` with the configuration `tuner` picked for `key` on the
+/// device of `id`, tuning it on first use. The tunable set holds one tunable
+/// per candidate slot; each resolves its slot against the problem's list.
 #[allow(clippy::too_many_arguments)]
 pub fn run_tuned<R, K, P, Buffers, L>(
     tuner: &'static Tuner<K>,
     key: K,
     launch: Launcher<R, P, Buffers, L>,
     client: &ComputeClient<R>,
-    device: &R::Device,
+    id: &cubecl::CubeTuneId,
     problem: &P,
     buffers: &Buffers,
     candidates: Arc<Vec<L>>,
@@ -138,7 +138,6 @@ where
             "no launch configuration fits {key} on this device"
         )));
     }
-    let id = cubecl::CubeTuneId::new(client, device);
     let set = tuner.init(move || {
         let group = TuneGroup::<TuneKey<K>>::new("candidates", |_| 0);
         let mut set = TunableSet::<TuneKey<K>, Inputs<R, P, Buffers, L, K>, ()>::new_cloning_inputs(
@@ -165,7 +164,7 @@ where
         set
     });
     tuner.execute(
-        &id,
+        id,
         client,
         set,
         (

@@ -116,18 +116,21 @@ impl<B: Backend> RopeTables<B> {
     pub fn gather(&self, position_ids: Tensor<B, 2, Int>) -> Result<Self, BastileError> {
         let [batch, seq] = position_ids.dims();
         let positions = self.positions();
-        let max = position_ids.clone().max().into_scalar();
-        let min = position_ids.clone().min().into_scalar();
-        let (max, min): (i64, i64) = (
-            burn::tensor::ElementConversion::elem(max),
-            burn::tensor::ElementConversion::elem(min),
-        );
-        if batch * seq > 0 && (min < 0 || max >= positions as i64) {
-            return Err(BastileError::Shape(format!(
-                "position ids span {min}..={max} but the RoPE tables cover 0..{positions}"
-            )));
-        }
         let ids = position_ids.reshape([batch * seq]);
+        if batch * seq > 0 {
+            // One device read for both bounds.
+            let bounds = Tensor::cat(vec![ids.clone().min(), ids.clone().max()], 0)
+                .into_data()
+                .convert::<i64>()
+                .to_vec::<i64>()
+                .expect("i64 data");
+            let (min, max) = (bounds[0], bounds[1]);
+            if min < 0 || max >= positions as i64 {
+                return Err(BastileError::Shape(format!(
+                    "position ids span {min}..={max} but the RoPE tables cover 0..{positions}"
+                )));
+            }
+        }
         let take = |t: &Tensor<B, 3>| {
             t.clone()
                 .reshape([positions, self.half()])
