@@ -32,7 +32,9 @@
 //!   is the fused backward kernel.
 //! * The fused ops, each with a checked entry point: [`rms_norm`],
 //!   [`swiglu`] / [`swiglu_packed`], [`geglu_oss`] (GPT-OSS experts),
-//!   [`rope`] / [`rope_one`] with [`RopeTables`].
+//!   [`rope`] / [`rope_one`] with [`RopeTables`], [`fused_linear_cross_entropy`]
+//!   (the LM head and its loss without materialized logits) and
+//!   [`cross_entropy`] on given logits, with [`CrossEntropyOptions`].
 //! * [`apply`], [`reset`], [`patched_ops`] switch ops on and off at run time;
 //!   a disabled op takes the composite path.
 //! * [`nn`] has drop-in replacements for the matching `burn::nn` modules.
@@ -53,7 +55,9 @@ pub use backend::Bastile;
 pub use bastile_cubecl::rms_norm::RmsNormCast;
 pub use error::BastileError;
 pub use ops::BastileBackend;
+pub use ops::cross_entropy::{CrossEntropyOptions, CrossEntropyOutput, Reduction, cross_entropy};
 pub use ops::geglu::geglu_oss;
+pub use ops::linear_cross_entropy::{LinearGrads, fused_linear_cross_entropy};
 pub use ops::rms_norm::rms_norm;
 pub use ops::rope::{RopeLayout, RopeOptions, RopePairing, RopeTables, rope, rope_one};
 pub use ops::swiglu::{GluTensors, swiglu, swiglu_packed};
@@ -66,6 +70,7 @@ pub fn clear_autotune_cache() {
     bastile_cubecl::swiglu::clear_autotune();
     bastile_cubecl::geglu::clear_autotune();
     bastile_cubecl::rope::clear_autotune();
+    bastile_cubecl::cross_entropy::clear_autotune();
 }
 
 /// Compiles and autotunes every enabled fused kernel on `device` for small
@@ -75,4 +80,5 @@ pub fn warmup_all_kernels<B: BastileBackend>(device: &B::Device) {
     ops::swiglu::warmup::<B>(device);
     ops::geglu::warmup::<B>(device);
     ops::rope::warmup::<B>(device);
+    ops::linear_cross_entropy::warmup::<B>(device);
 }

@@ -12,11 +12,20 @@ pub enum Op {
     SwiGlu,
     Geglu,
     Rope,
+    CrossEntropy,
+    FusedLinearCrossEntropy,
 }
 
 impl Op {
     /// Every switchable op.
-    pub const ALL: [Op; 4] = [Op::RmsNorm, Op::SwiGlu, Op::Geglu, Op::Rope];
+    pub const ALL: [Op; 6] = [
+        Op::RmsNorm,
+        Op::SwiGlu,
+        Op::Geglu,
+        Op::Rope,
+        Op::CrossEntropy,
+        Op::FusedLinearCrossEntropy,
+    ];
 
     fn bit(self) -> u32 {
         1 << (self as u32)
@@ -29,6 +38,8 @@ impl Op {
             Op::SwiGlu => "swiglu",
             Op::Geglu => "geglu",
             Op::Rope => "rope",
+            Op::CrossEntropy => "cross_entropy",
+            Op::FusedLinearCrossEntropy => "fused_linear_cross_entropy",
         }
     }
 }
@@ -47,6 +58,10 @@ pub struct Patches {
     /// GPT-OSS's clamped GEGLU.
     pub geglu: bool,
     pub rope: bool,
+    /// Cross-entropy on given logits.
+    pub cross_entropy: bool,
+    /// Linear layer + cross-entropy without materialized logits.
+    pub fused_linear_cross_entropy: bool,
 }
 
 impl Default for Patches {
@@ -67,6 +82,8 @@ impl Patches {
             swiglu: on,
             geglu: on,
             rope: on,
+            cross_entropy: on,
+            fused_linear_cross_entropy: on,
         }
     }
 
@@ -76,6 +93,8 @@ impl Patches {
             (self.swiglu, Op::SwiGlu),
             (self.geglu, Op::Geglu),
             (self.rope, Op::Rope),
+            (self.cross_entropy, Op::CrossEntropy),
+            (self.fused_linear_cross_entropy, Op::FusedLinearCrossEntropy),
         ]
         .into_iter()
         .filter(|(on, _)| *on)

@@ -34,7 +34,26 @@ fn switches_turn_the_fused_path_on_and_off() {
     apply(Patches::none());
     assert!(patched_ops().is_empty());
     let names: Vec<String> = Op::ALL.iter().map(|op| op.to_string()).collect();
-    assert_eq!(names, ["rms_norm", "swiglu", "geglu", "rope"]);
+    assert_eq!(
+        names,
+        [
+            "rms_norm",
+            "swiglu",
+            "geglu",
+            "rope",
+            "cross_entropy",
+            "fused_linear_cross_entropy"
+        ]
+    );
+    apply(Patches {
+        cross_entropy: true,
+        fused_linear_cross_entropy: true,
+        ..Patches::none()
+    });
+    assert_eq!(
+        patched_ops(),
+        vec![Op::CrossEntropy, Op::FusedLinearCrossEntropy]
+    );
 
     // NdArray has no kernels: never fused, whatever the switches say.
     apply(Patches::default());
@@ -79,15 +98,27 @@ fn switches_turn_the_fused_path_on_and_off() {
                 <Bastile<Gpu> as BastileBackend>::swiglu_fused(&device, d),
                 <Bastile<Gpu> as BastileBackend>::geglu_oss_fused(&device, d),
                 <Bastile<Gpu> as BastileBackend>::rope_fused(&device, d),
+                <Bastile<Gpu> as BastileBackend>::cross_entropy_fused(&device, d),
+                <Bastile<Gpu> as BastileBackend>::linear_cross_entropy_fused(&device, d),
             ]
         };
-        assert_eq!(fused(DType::F32), [true, false, false]);
+        assert_eq!(fused(DType::F32), [true, false, false, false, false]);
         apply(Patches {
             geglu: true,
             rope: true,
             ..Patches::none()
         });
-        assert_eq!(fused(DType::F32), [false, true, true]);
+        assert_eq!(fused(DType::F32), [false, true, true, false, false]);
+        apply(Patches {
+            fused_linear_cross_entropy: true,
+            ..Patches::none()
+        });
+        assert_eq!(fused(DType::F32), [false, false, false, false, true]);
+        apply(Patches {
+            cross_entropy: true,
+            ..Patches::none()
+        });
+        assert_eq!(fused(DType::F32), [false, false, false, true, false]);
         apply(Patches::default());
     }
 }

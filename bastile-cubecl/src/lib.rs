@@ -6,6 +6,7 @@
 //! so any CubeCL runtime (CUDA, wgpu/Vulkan, ...) can run it and the Burn
 //! integration lives one layer up, in the `bastile` crate.
 
+pub mod cross_entropy;
 pub mod dtype;
 pub mod elementwise;
 pub mod error;

@@ -1,5 +1,5 @@
-//! Reductions shared by the row-wise kernels: the sum over the units that
-//! share one row, and the column sum that finishes a two-stage parameter
+//! Reductions shared by the row-wise kernels: the sum (or maximum) over the
+//! units that share one row, and the column sum that finishes a two-stage parameter
 //! gradient.
 
 use cubecl::prelude::*;
@@ -45,11 +45,50 @@ pub fn row_sum(
     #[comptime] slots_per_row: u32,
     #[comptime] reduce: RowReduce,
 ) -> f32 {
+    row_combine(value, scratch, units_per_row, slots_per_row, reduce, false)
+}
+
+/// The maximum of `value` over the units that share a row; the same
+/// contract as [`row_sum`].
+#[cube]
+pub fn row_max(
+    value: f32,
+    scratch: &mut SharedMemory<f32>,
+    #[comptime] units_per_row: u32,
+    #[comptime] slots_per_row: u32,
+    #[comptime] reduce: RowReduce,
+) -> f32 {
+    row_combine(value, scratch, units_per_row, slots_per_row, reduce, true)
+}
+
+/// `a + b`, or `max(a, b)` when `max`.
+#[cube]
+fn combine(a: f32, b: f32, #[comptime] max: bool) -> f32 {
+    if comptime![max] {
+        f32::max(a, b)
+    } else {
+        a + b
+    }
+}
+
+#[cube]
+fn row_combine(
+    value: f32,
+    scratch: &mut SharedMemory<f32>,
+    #[comptime] units_per_row: u32,
+    #[comptime] slots_per_row: u32,
+    #[comptime] reduce: RowReduce,
+    #[comptime] max: bool,
+) -> f32 {
     let slot = UNIT_POS_Y as usize * slots_per_row as usize;
     let x = UNIT_POS_X as usize;
-    let mut total = 0.0f32;
+    let mut total = comptime![if max { f32::MIN } else { 0.0f32 }].runtime();
     if comptime![reduce == RowReduce::Plane] {
-        let plane_total = plane_sum(value);
+        let plane_total = if comptime![max] {
+            plane_max(value)
+        } else {
+            plane_sum(value)
+        };
         let plane_dim = PLANE_DIM as usize;
         if UNIT_POS_PLANE == 0 {
             scratch[slot + x / plane_dim] = plane_total;
@@ -57,7 +96,7 @@ pub fn row_sum(
         sync_cube();
         let planes = units_per_row as usize / plane_dim;
         for p in 0..planes {
-            total += scratch[slot + p];
+            total = combine(total, scratch[slot + p], max);
         }
     } else {
         scratch[slot + x] = value;
@@ -66,7 +105,7 @@ pub fn row_sum(
         while stride > 0 {
             if x < stride {
                 let other = scratch[slot + x + stride];
-                scratch[slot + x] += other;
+                scratch[slot + x] = combine(scratch[slot + x], other, max);
             }
             sync_cube();
             stride /= 2;

@@ -168,6 +168,25 @@ pub fn assert_close(what: &str, actual: &[f64], expected: &[f64], tol: f64, seed
     );
 }
 
+/// For peaked values (a cross-entropy gradient: one probability near 1, the
+/// rest near 0): the relative L2 error within `tol`, and each element
+/// within `tol` of its own magnitude plus the RMS, rather than of the RMS
+/// alone, which the few large elements dominate.
+pub fn assert_close_to_magnitude(what: &str, actual: &[f64], expected: &[f64], tol: f64) {
+    let l2 = rel_l2(actual, expected);
+    assert!(
+        l2 <= tol,
+        "{what}: relative L2 error {l2:.3e} (bound {tol:.1e})"
+    );
+    let rms = (expected.iter().map(|e| e * e).sum::<f64>() / expected.len().max(1) as f64).sqrt();
+    for (i, (a, e)) in actual.iter().zip(expected).enumerate() {
+        assert!(
+            (a - e).abs() <= tol * (e.abs() + rms),
+            "{what}: element {i} is {a}, expected {e} (bound {tol:.1e} × (|e| + rms {rms:.3e}))"
+        );
+    }
+}
+
 /// A test body generic over the CubeCL runtime.
 pub trait RuntimeTest {
     /// Runs the test on `device` of runtime `R`, for each of `dtypes`.

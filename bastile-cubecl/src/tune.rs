@@ -112,6 +112,11 @@ pub type Launcher<R, P, Buffers, L> =
 
 type Inputs<R, P, Buffers, L, K> = (ComputeClient<R>, P, Buffers, Arc<Vec<L>>, K);
 
+/// The buffers a benchmark run of a candidate uses, made from the real ones.
+/// Kernels that overwrite an input in place swap in scratch outputs here, so
+/// tuning leaves the real inputs intact.
+pub type BenchBuffers<R, P, Buffers> = fn(&ComputeClient<R>, &P, &Buffers) -> Buffers;
+
 /// Runs `launch` with the configuration `tuner` picked for `key` on the
 /// device of `id`, tuning it on first use. The tunable set holds one tunable
 /// per candidate slot; each resolves its slot against the problem's list.
@@ -133,6 +138,39 @@ where
     Buffers: Clone + Send + Sync + 'static,
     L: Send + Sync + 'static,
 {
+    run_tuned_with(
+        tuner,
+        key,
+        launch,
+        |_, _, b| b.clone(),
+        client,
+        id,
+        problem,
+        buffers,
+        candidates,
+    )
+}
+
+/// [`run_tuned`] whose benchmark runs use the buffers `bench` makes.
+#[allow(clippy::too_many_arguments)]
+pub fn run_tuned_with<R, K, P, Buffers, L>(
+    tuner: &'static Tuner<K>,
+    key: K,
+    launch: Launcher<R, P, Buffers, L>,
+    bench: BenchBuffers<R, P, Buffers>,
+    client: &ComputeClient<R>,
+    id: &cubecl::CubeTuneId,
+    problem: &P,
+    buffers: &Buffers,
+    candidates: Arc<Vec<L>>,
+) -> Result<(), KernelError>
+where
+    R: Runtime,
+    K: OpKey,
+    P: Clone + Send + Sync + 'static,
+    Buffers: Clone + Send + Sync + 'static,
+    L: Send + Sync + 'static,
+{
     if candidates.is_empty() {
         return Err(KernelError::Unsupported(format!(
             "no launch configuration fits {key} on this device"
@@ -140,10 +178,19 @@ where
     }
     let set = tuner.init(move || {
         let group = TuneGroup::<TuneKey<K>>::new("candidates", |_| 0);
-        let mut set = TunableSet::<TuneKey<K>, Inputs<R, P, Buffers, L, K>, ()>::new_cloning_inputs(
+        let mut set = TunableSet::<TuneKey<K>, Inputs<R, P, Buffers, L, K>, ()>::new(
             move |(_, _, _, c, k): &Inputs<R, P, Buffers, L, K>| TuneKey {
                 op: k.clone(),
                 candidates: c.len(),
+            },
+            move |_: &TuneKey<K>, (client, p, b, c, k): &Inputs<R, P, Buffers, L, K>| {
+                (
+                    client.clone(),
+                    p.clone(),
+                    bench(client, p, b),
+                    c.clone(),
+                    k.clone(),
+                )
             },
         );
         for i in 0..MAX_TUNABLES {

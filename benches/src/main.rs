@@ -3,6 +3,7 @@
 //! the yardstick. `cargo xtask bench` builds and runs it.
 
 mod copy;
+mod flce;
 mod geglu;
 mod passes;
 mod report;
@@ -25,6 +26,7 @@ pub enum OpName {
     Swiglu,
     Geglu,
     Rope,
+    Flce,
 }
 
 #[derive(Parser, Debug)]
@@ -42,6 +44,11 @@ pub struct Args {
     /// Write the results as JSON (and Markdown beside it, `.md`).
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
+    /// With `--op flce`: run only this configuration (index into the list
+    /// the run prints), so each can be measured in a fresh process whose
+    /// memory pool holds nothing else.
+    #[arg(long)]
+    pub case: Option<usize>,
     /// Timed repetitions per measurement (the median is reported).
     #[arg(long, default_value_t = 15)]
     pub samples: usize,
@@ -89,7 +96,13 @@ where
     B: bastile::ops::KernelBackend + bastile::BastileBackend,
 {
     let device = B::Device::default();
-    let copy_gbs = copy::measure_copy_bandwidth::<R>(&device, args.tiny, args.samples);
+    // The loss benchmark reports flops and memory, not bandwidth, and its
+    // memory readings must not include the copy test's buffers.
+    let copy_gbs = if args.op == Some(OpName::Flce) {
+        f64::NAN
+    } else {
+        copy::measure_copy_bandwidth::<R>(&device, args.tiny, args.samples)
+    };
     let mut report = report::Report::new(runtime, &B::name(&device), args.tiny, copy_gbs);
     eprintln!("device copy bandwidth: {copy_gbs:.1} GB/s (read + write)");
     let wanted = |op| args.op.is_none() || args.op == Some(op);
@@ -104,6 +117,9 @@ where
     }
     if wanted(OpName::Rope) {
         rope::bench::<B>(&device, args, &mut report);
+    }
+    if wanted(OpName::Flce) {
+        flce::bench::<R, B>(&device, args, &mut report);
     }
     report
 }

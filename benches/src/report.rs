@@ -32,6 +32,23 @@ impl Row {
     }
 }
 
+/// One fused linear cross-entropy measurement (forward + backward).
+#[derive(Clone, Debug, Serialize)]
+pub struct FlceRow {
+    pub shape: String,
+    pub dtype: String,
+    pub implementation: String,
+    /// Tokens per chunk (`None`: chosen automatically).
+    pub chunk: Option<usize>,
+    pub ms: f64,
+    /// The three matmuls' flops over the time.
+    pub tflops: f64,
+    /// Reserved device memory after one call from a clean pool.
+    pub peak_mib: f64,
+    /// Reserved device memory holding the inputs, before the call.
+    pub inputs_mib: f64,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
     pub runtime: String,
@@ -40,6 +57,7 @@ pub struct Report {
     pub tiny: bool,
     pub copy_gb_per_s: f64,
     pub rows: Vec<Row>,
+    pub flce: Vec<FlceRow>,
 }
 
 impl Report {
@@ -50,6 +68,7 @@ impl Report {
             tiny,
             copy_gb_per_s,
             rows: Vec::new(),
+            flce: Vec::new(),
         }
     }
 
@@ -109,6 +128,45 @@ impl Report {
                 .map(|b| format!("{:.2}×", b.ms / row.ms))
                 .unwrap_or_default();
             s += &format!("| {} | {speedup} |\n", row.cells().join(" | "));
+        }
+        if !self.flce.is_empty() {
+            s += &self.flce_markdown();
+        }
+        s
+    }
+
+    /// The fused linear cross-entropy table: time against the bare
+    /// matmuls, memory against Burn's composite.
+    fn flce_markdown(&self) -> String {
+        let mut s = String::from(
+            "\nFused linear cross-entropy, forward + backward (peak: reserved device memory, inputs included):\n\n",
+        );
+        s += "| shape | dtype | implementation | chunk | ms | TFLOP/s | × bare matmuls | peak MiB | peak − inputs MiB | composite ÷ this (extra memory) |\n";
+        s += "|---|---|---|---:|---:|---:|---:|---:|---:|---:|\n";
+        for r in &self.flce {
+            let same = |name: &str| {
+                self.flce
+                    .iter()
+                    .find(|o| o.shape == r.shape && o.dtype == r.dtype && o.implementation == name)
+            };
+            let vs_bare = same("bare matmuls")
+                .map(|b| format!("{:.3}", r.ms / b.ms))
+                .unwrap_or_default();
+            let extra = r.peak_mib - r.inputs_mib;
+            let vs_burn = same("burn")
+                .map(|b| format!("{:.1}×", (b.peak_mib - b.inputs_mib) / extra.max(1.0)))
+                .unwrap_or_default();
+            s += &format!(
+                "| {} | {} | {} | {} | {:.2} | {:.1} | {vs_bare} | {:.0} | {:.0} | {vs_burn} |\n",
+                r.shape,
+                r.dtype,
+                r.implementation,
+                r.chunk.map_or("auto".into(), |c| c.to_string()),
+                r.ms,
+                r.tflops,
+                r.peak_mib,
+                extra,
+            );
         }
         s
     }

@@ -9,7 +9,14 @@ use std::process::{Command, Stdio};
 use crate::{cargo, run};
 
 /// The test binaries that exercise kernels (the others need no GPU).
-const GPU_TESTS: &[&str] = &["rms_norm", "model_step", "swiglu", "geglu", "rope"];
+const GPU_TESTS: &[&str] = &[
+    "rms_norm",
+    "model_step",
+    "swiglu",
+    "geglu",
+    "rope",
+    "cross_entropy",
+];
 
 /// Builds with cargo and returns the executables it reports.
 fn build_executables(args: &[&str]) -> Result<Vec<(String, PathBuf)>, String> {
@@ -49,8 +56,16 @@ fn build_executables(args: &[&str]) -> Result<Vec<(String, PathBuf)>, String> {
 /// Stages the binaries in `target/device-bundle`, then writes
 /// `<dest>/bastile-cuda.tar.xz` (stripped binaries compress about 5×, which
 /// keeps the bundle well under 64 MiB) and `<dest>/run.sh`, which unpacks
-/// and runs it.
-pub fn build(dest: &str) -> Result<(), String> {
+/// and runs it. `only` narrows the GPU tests to those names.
+pub fn build(dest: &str, only: &[String]) -> Result<(), String> {
+    if let Some(bad) = only.iter().find(|o| !GPU_TESTS.contains(&o.as_str())) {
+        return Err(format!("unknown GPU test `{bad}`; known: {GPU_TESTS:?}"));
+    }
+    let wanted: Vec<&str> = if only.is_empty() {
+        GPU_TESTS.to_vec()
+    } else {
+        only.iter().map(String::as_str).collect()
+    };
     let dest = Path::new(dest);
     let out = Path::new("target/device-bundle");
     let _ = std::fs::remove_dir_all(out);
@@ -62,7 +77,7 @@ pub fn build(dest: &str) -> Result<(), String> {
     let mut names = Vec::new();
     for (name, exe) in tests
         .into_iter()
-        .filter(|(n, _)| GPU_TESTS.iter().any(|t| n.ends_with(t)))
+        .filter(|(n, _)| wanted.iter().any(|t| n.ends_with(&format!("-{t}"))))
     {
         let dest = out.join("tests").join(&name);
         std::fs::copy(&exe, &dest).map_err(|e| format!("copying {}: {e}", exe.display()))?;

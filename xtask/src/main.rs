@@ -55,6 +55,10 @@ enum Cmd {
         /// Output folder (git-ignored).
         #[arg(long, default_value = ".device")]
         out: String,
+        /// Bundle only these GPU test binaries (names such as `rope` or
+        /// `cross_entropy`), to stay under the carry limit; all by default.
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
     },
 }
 
@@ -71,7 +75,7 @@ fn main() -> ExitCode {
             tiny,
             out,
         } => bench(op, runtime, tiny, out),
-        Cmd::DeviceBundle { out } => bundle::build(&out),
+        Cmd::DeviceBundle { out, only } => bundle::build(&out, &only),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

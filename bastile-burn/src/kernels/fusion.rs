@@ -4,7 +4,7 @@
 
 use core::marker::PhantomData;
 
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Device, Shape};
 use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
@@ -12,14 +12,20 @@ use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
 use super::KernelBackend;
 use crate::RmsNormCast;
+use crate::ops::cross_entropy::LossSpec;
+use crate::ops::linear_cross_entropy::LinearGrads;
 use crate::ops::rope::RopeOptions;
 use crate::ops::swiglu::GluTensors;
 
-/// What a recorded op runs on `B` once its inputs are resolved.
-type Call<B> = Box<dyn Fn(Vec<FloatTensor<B>>) -> Vec<FloatTensor<B>> + Send + Sync>;
+/// What a recorded op runs on `B` once its float and int inputs are
+/// resolved.
+type Call<B> =
+    Box<dyn Fn(Vec<FloatTensor<B>>, Vec<IntTensor<B>>) -> Vec<FloatTensor<B>> + Send + Sync>;
 
 struct KernelOp<B: FusionBackend> {
     desc: CustomOpIr,
+    /// The first `floats` inputs are float tensors, the rest int tensors.
+    floats: usize,
     call: Call<B>,
     _b: PhantomData<B>,
 }
@@ -35,13 +41,16 @@ impl<B: FusionBackend> Operation<B::FusionRuntime> for KernelOp<B> {
         &self,
         handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
     ) {
-        let inputs = self
-            .desc
-            .inputs
+        let (floats, ints) = self.desc.inputs.split_at(self.floats);
+        let floats = floats
             .iter()
             .map(|ir| handles.get_float_tensor::<B>(ir))
             .collect();
-        let outputs = (self.call)(inputs);
+        let ints = ints
+            .iter()
+            .map(|ir| handles.get_int_tensor::<B>(ir))
+            .collect();
+        let outputs = (self.call)(floats, ints);
         assert_eq!(
             outputs.len(),
             self.desc.outputs.len(),
@@ -54,27 +63,44 @@ impl<B: FusionBackend> Operation<B::FusionRuntime> for KernelOp<B> {
     }
 }
 
-/// Records `call` as a custom op with these inputs and outputs (shape and
-/// dtype each) and returns the output tensors.
+/// Records `call` as a custom op with these float inputs and outputs (shape
+/// and dtype each) and returns the output tensors.
 fn record<B: FusionBackend>(
     name: &'static str,
     inputs: Vec<FloatTensor<Fusion<B>>>,
     outputs: Vec<(Shape, DType)>,
     call: impl Fn(Vec<FloatTensor<B>>) -> Vec<FloatTensor<B>> + Send + Sync + 'static,
 ) -> Vec<FloatTensor<Fusion<B>>> {
-    let client = inputs[0].client.clone();
-    let streams = OperationStreams::with_inputs(inputs.iter());
+    record_with_ints::<B>(name, inputs, vec![], outputs, move |f, _| call(f))
+}
+
+/// [`record`] with int inputs after the float ones.
+fn record_with_ints<B: FusionBackend>(
+    name: &'static str,
+    floats: Vec<FloatTensor<Fusion<B>>>,
+    ints: Vec<IntTensor<Fusion<B>>>,
+    outputs: Vec<(Shape, DType)>,
+    call: impl Fn(Vec<FloatTensor<B>>, Vec<IntTensor<B>>) -> Vec<FloatTensor<B>> + Send + Sync + 'static,
+) -> Vec<FloatTensor<Fusion<B>>> {
+    let client = floats[0].client.clone();
+    let streams = OperationStreams::with_inputs(floats.iter().chain(ints.iter()));
     let outputs: Vec<TensorIr> = outputs
         .into_iter()
         .map(|(shape, dtype)| TensorIr::uninit(client.create_empty_handle(), shape, dtype))
         .collect();
-    let inputs: Vec<TensorIr> = inputs.into_iter().map(|t| t.into_ir()).collect();
+    let n_floats = floats.len();
+    let inputs: Vec<TensorIr> = floats
+        .into_iter()
+        .chain(ints)
+        .map(|t| t.into_ir())
+        .collect();
     let desc = CustomOpIr::new(name, &inputs, &outputs);
     client.register(
         streams,
         OperationIr::Custom(desc.clone()),
         KernelOp::<B> {
             desc,
+            floats: n_floats,
             call: Box::new(call),
             _b: PhantomData,
         },
@@ -252,4 +278,171 @@ impl<B: FusionBackend + KernelBackend> KernelBackend for Fusion<B> {
         let k = if has_k { out.pop() } else { None };
         (out.pop().expect("q output"), k)
     }
+
+    fn cross_entropy_supported(device: &Device<Self>, dtype: DType) -> bool {
+        B::cross_entropy_supported(device, dtype)
+    }
+
+    fn cross_entropy_kernel(
+        logits: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+        spec: LossSpec,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let n = Shape::new([logits.shape[0]]);
+        let outputs = vec![(n.clone(), DType::F32), (n, DType::F32)];
+        let mut out = record_with_ints::<B>(
+            "bastile_cross_entropy",
+            vec![logits],
+            vec![labels],
+            outputs,
+            move |mut f, mut i| {
+                let (rows, lse) = B::cross_entropy_kernel(
+                    f.pop().expect("logits"),
+                    i.pop().expect("labels"),
+                    spec,
+                );
+                vec![rows, lse]
+            },
+        );
+        let lse = out.pop().expect("two outputs");
+        (out.pop().expect("two outputs"), lse)
+    }
+
+    fn cross_entropy_grad_kernel(
+        logits: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        dloss: FloatTensor<Self>,
+        spec: LossSpec,
+    ) -> FloatTensor<Self> {
+        let outputs = vec![(logits.shape.clone(), logits.dtype)];
+        let mut out = record_with_ints::<B>(
+            "bastile_cross_entropy_grad",
+            vec![logits, lse, dloss],
+            vec![labels],
+            outputs,
+            move |f, mut i| {
+                let [logits, lse, dloss]: [_; 3] = f
+                    .try_into()
+                    .unwrap_or_else(|_| panic!("three float inputs"));
+                vec![B::cross_entropy_grad_kernel(
+                    logits,
+                    i.pop().expect("labels"),
+                    lse,
+                    dloss,
+                    spec,
+                )]
+            },
+        );
+        out.pop().expect("one output")
+    }
+
+    fn linear_cross_entropy_kernel(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        labels: IntTensor<Self>,
+        spec: LossSpec,
+        grads: bool,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<LinearGrads<FloatTensor<Self>>>,
+    ) {
+        let n = Shape::new([hidden.shape[0]]);
+        let mut outputs = vec![(n.clone(), DType::F32), (n, DType::F32)];
+        if grads {
+            outputs.extend(grad_outputs(&hidden, &weight, bias.as_ref()));
+        }
+        let has_bias = bias.is_some();
+        let floats = [Some(hidden), Some(weight), bias]
+            .into_iter()
+            .flatten()
+            .collect();
+        let mut out = record_with_ints::<B>(
+            "bastile_linear_cross_entropy",
+            floats,
+            vec![labels],
+            outputs,
+            move |f, mut i| {
+                let (hidden, weight, bias) = linear_inputs::<B>(f, has_bias);
+                let (rows, lse, g) = B::linear_cross_entropy_kernel(
+                    hidden,
+                    weight,
+                    bias,
+                    i.pop().expect("labels"),
+                    spec,
+                    grads,
+                );
+                let mut out = vec![rows, lse];
+                out.extend(g.map(LinearGrads::into_vec).unwrap_or_default());
+                out
+            },
+        );
+        let grads = grads.then(|| LinearGrads::from_vec(out.split_off(2), has_bias));
+        let lse = out.pop().expect("lse");
+        (out.pop().expect("losses"), lse, grads)
+    }
+
+    fn linear_cross_entropy_backward_kernel(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        labels: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        dloss: FloatTensor<Self>,
+        spec: LossSpec,
+    ) -> LinearGrads<FloatTensor<Self>> {
+        let outputs = grad_outputs(&hidden, &weight, bias.as_ref());
+        let has_bias = bias.is_some();
+        let floats = [Some(lse), Some(dloss), Some(hidden), Some(weight), bias]
+            .into_iter()
+            .flatten()
+            .collect();
+        let out = record_with_ints::<B>(
+            "bastile_linear_cross_entropy_backward",
+            floats,
+            vec![labels],
+            outputs,
+            move |mut f, mut i| {
+                let rest = f.split_off(2);
+                let dloss = f.pop().expect("dloss");
+                let lse = f.pop().expect("lse");
+                let (hidden, weight, bias) = linear_inputs::<B>(rest, has_bias);
+                LinearGrads::into_vec(B::linear_cross_entropy_backward_kernel(
+                    hidden,
+                    weight,
+                    bias,
+                    i.pop().expect("labels"),
+                    lse,
+                    dloss,
+                    spec,
+                ))
+            },
+        );
+        LinearGrads::from_vec(out, has_bias)
+    }
+}
+
+/// The shapes and dtypes of a linear layer's gradients.
+fn grad_outputs<T: burn::tensor::TensorMetadata>(
+    hidden: &T,
+    weight: &T,
+    bias: Option<&T>,
+) -> Vec<(Shape, DType)> {
+    [Some(hidden), Some(weight), bias]
+        .into_iter()
+        .flatten()
+        .map(|t| (t.shape(), t.dtype()))
+        .collect()
+}
+
+/// `(hidden, weight, bias)` from the float inputs of a recorded op.
+fn linear_inputs<B: KernelBackend>(
+    mut f: Vec<FloatTensor<B>>,
+    has_bias: bool,
+) -> (FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>) {
+    let bias = if has_bias { f.pop() } else { None };
+    let weight = f.pop().expect("weight");
+    (f.pop().expect("hidden"), weight, bias)
 }

@@ -10,10 +10,12 @@ mod fusion;
 
 use burn::backend::NdArray;
 use burn::tensor::backend::Backend;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Device};
 
 use crate::RmsNormCast;
+use crate::ops::cross_entropy::LossSpec;
+use crate::ops::linear_cross_entropy::LinearGrads;
 use crate::ops::rope::RopeOptions;
 use crate::ops::swiglu::GluTensors;
 
@@ -90,6 +92,65 @@ pub trait KernelBackend: Backend {
         _options: RopeOptions,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         unreachable!("rope_kernel called on a backend that does not support it")
+    }
+
+    /// Whether the cross-entropy kernel takes logits of `dtype` on `device`.
+    fn cross_entropy_supported(_device: &Device<Self>, _dtype: DType) -> bool {
+        false
+    }
+
+    /// Per-token `(losses, lse)`, f32 `[N]` each, of `logits` `[N, V]`.
+    fn cross_entropy_kernel(
+        _logits: FloatTensor<Self>,
+        _labels: IntTensor<Self>,
+        _spec: LossSpec,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        unreachable!("cross_entropy_kernel called on a backend that does not support it")
+    }
+
+    /// The logits gradient for the upstream f32 gradient `dloss` (`[1]`
+    /// for every token, or `[N]`), from the forward's `lse`.
+    fn cross_entropy_grad_kernel(
+        _logits: FloatTensor<Self>,
+        _labels: IntTensor<Self>,
+        _lse: FloatTensor<Self>,
+        _dloss: FloatTensor<Self>,
+        _spec: LossSpec,
+    ) -> FloatTensor<Self> {
+        unreachable!("cross_entropy_grad_kernel called on a backend that does not support it")
+    }
+
+    /// Chunked linear cross-entropy: per-token `(losses, lse)` and, with
+    /// `grads`, the gradients of the scaled loss sum.
+    fn linear_cross_entropy_kernel(
+        _hidden: FloatTensor<Self>,
+        _weight: FloatTensor<Self>,
+        _bias: Option<FloatTensor<Self>>,
+        _labels: IntTensor<Self>,
+        _spec: LossSpec,
+        _grads: bool,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<LinearGrads<FloatTensor<Self>>>,
+    ) {
+        unreachable!("linear_cross_entropy_kernel called on a backend that does not support it")
+    }
+
+    /// Chunked gradients for per-token upstream gradients `dloss` (f32 `[N]`).
+    #[allow(clippy::too_many_arguments)]
+    fn linear_cross_entropy_backward_kernel(
+        _hidden: FloatTensor<Self>,
+        _weight: FloatTensor<Self>,
+        _bias: Option<FloatTensor<Self>>,
+        _labels: IntTensor<Self>,
+        _lse: FloatTensor<Self>,
+        _dloss: FloatTensor<Self>,
+        _spec: LossSpec,
+    ) -> LinearGrads<FloatTensor<Self>> {
+        unreachable!(
+            "linear_cross_entropy_backward_kernel called on a backend that does not support it"
+        )
     }
 }
 

@@ -8,20 +8,24 @@
 //!   `B`'s backward method (see each op's file), and takes the composite
 //!   path when `B` has no fused kernel for the input.
 
+pub mod cross_entropy;
 pub mod geglu;
+pub mod linear_cross_entropy;
 pub mod rms_norm;
 pub mod rope;
 pub mod swiglu;
 
 use burn::backend::NdArray;
 use burn::tensor::backend::Backend;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Device, Tensor, TensorMetadata, TensorPrimitive};
 use burn_autodiff::Autodiff;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 use crate::{Bastile, BastileError, RmsNormCast, patches};
+use cross_entropy::{LossPair, LossSpec, Reduction};
+use linear_cross_entropy::LinearGrads;
 use rope::RopeOptions;
 use swiglu::GluTensors;
 
@@ -123,6 +127,79 @@ pub trait BastileBackend: Backend {
         options: RopeOptions,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         rope::composite::<Self>(q, k, cos, sin, options)
+    }
+
+    /// Whether [`BastileBackend::cross_entropy`] runs a fused kernel for
+    /// logits of `dtype`.
+    fn cross_entropy_fused(_device: &Device<Self>, _dtype: DType) -> bool {
+        false
+    }
+
+    /// Cross-entropy of `logits` `[N, V]`: `(loss, lse)`, both f32, the
+    /// loss reduced as `spec` says and `lse` per token.
+    fn cross_entropy(
+        logits: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+        spec: LossSpec,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        cross_entropy::composite::<Self>(logits, labels, spec)
+    }
+
+    /// The logits gradient of [`BastileBackend::cross_entropy`] for the
+    /// upstream gradient `dloss` of its loss.
+    fn cross_entropy_backward(
+        logits: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        dloss: FloatTensor<Self>,
+        spec: LossSpec,
+    ) -> FloatTensor<Self> {
+        cross_entropy::composite_backward::<Self>(logits, labels, lse, dloss, spec)
+    }
+
+    /// Whether [`BastileBackend::linear_cross_entropy`] runs fused
+    /// (chunked, no materialized logits) for inputs of `dtype`.
+    fn linear_cross_entropy_fused(_device: &Device<Self>, _dtype: DType) -> bool {
+        false
+    }
+
+    /// Cross-entropy of `hidden · weightᵀ (+ bias)`: `(loss, lse)`.
+    fn linear_cross_entropy(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        labels: IntTensor<Self>,
+        spec: LossSpec,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        linear_cross_entropy::composite::<Self>(hidden, weight, bias, labels, spec)
+    }
+
+    /// [`BastileBackend::linear_cross_entropy`] that also returns the
+    /// gradients of the loss (for an upstream gradient of 1).
+    fn linear_cross_entropy_with_grads(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        labels: IntTensor<Self>,
+        spec: LossSpec,
+    ) -> (LossPair<FloatTensor<Self>>, LinearGrads<FloatTensor<Self>>) {
+        linear_cross_entropy::composite_with_grads::<Self>(hidden, weight, bias, labels, spec)
+    }
+
+    /// The gradients for the upstream gradient `dloss` (f32, `[1]` or
+    /// `[N]`), recomputed from the inputs and the forward's `lse`.
+    fn linear_cross_entropy_backward(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        labels: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        dloss: FloatTensor<Self>,
+        spec: LossSpec,
+    ) -> LinearGrads<FloatTensor<Self>> {
+        linear_cross_entropy::composite_backward::<Self>(
+            hidden, weight, bias, labels, lse, dloss, spec,
+        )
     }
 }
 
@@ -237,6 +314,101 @@ impl<B: KernelBackend> BastileBackend for Bastile<B> {
             rope::composite::<B>(q, k, cos, sin, options)
         }
     }
+
+    fn cross_entropy_fused(device: &Device<Self>, dtype: DType) -> bool {
+        patches::is_enabled(patches::Op::CrossEntropy) && B::cross_entropy_supported(device, dtype)
+    }
+
+    fn cross_entropy(
+        logits: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+        spec: LossSpec,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        if Self::cross_entropy_fused(&B::float_device(&logits), logits.dtype()) {
+            let (rows, lse) = B::cross_entropy_kernel(logits, labels, spec);
+            (reduce_rows::<B>(rows, &spec), lse)
+        } else {
+            cross_entropy::composite::<B>(logits, labels, spec)
+        }
+    }
+
+    fn cross_entropy_backward(
+        logits: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        dloss: FloatTensor<Self>,
+        spec: LossSpec,
+    ) -> FloatTensor<Self> {
+        if Self::cross_entropy_fused(&B::float_device(&logits), logits.dtype()) {
+            B::cross_entropy_grad_kernel(logits, labels, lse, f32_of::<B>(dloss), spec)
+        } else {
+            cross_entropy::composite_backward::<B>(logits, labels, lse, dloss, spec)
+        }
+    }
+
+    fn linear_cross_entropy_fused(device: &Device<Self>, dtype: DType) -> bool {
+        patches::is_enabled(patches::Op::FusedLinearCrossEntropy)
+            && B::cross_entropy_supported(device, dtype)
+    }
+
+    fn linear_cross_entropy(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        labels: IntTensor<Self>,
+        spec: LossSpec,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        if Self::linear_cross_entropy_fused(&B::float_device(&hidden), hidden.dtype()) {
+            let (rows, lse, _) =
+                B::linear_cross_entropy_kernel(hidden, weight, bias, labels, spec, false);
+            (reduce_rows::<B>(rows, &spec), lse)
+        } else {
+            linear_cross_entropy::composite::<B>(hidden, weight, bias, labels, spec)
+        }
+    }
+
+    fn linear_cross_entropy_with_grads(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        labels: IntTensor<Self>,
+        spec: LossSpec,
+    ) -> (LossPair<FloatTensor<Self>>, LinearGrads<FloatTensor<Self>>) {
+        if Self::linear_cross_entropy_fused(&B::float_device(&hidden), hidden.dtype()) {
+            let (rows, lse, grads) =
+                B::linear_cross_entropy_kernel(hidden, weight, bias, labels, spec, true);
+            let grads = grads.expect("the kernel returns gradients when asked");
+            ((reduce_rows::<B>(rows, &spec), lse), grads)
+        } else {
+            linear_cross_entropy::composite_with_grads::<B>(hidden, weight, bias, labels, spec)
+        }
+    }
+
+    fn linear_cross_entropy_backward(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        labels: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        dloss: FloatTensor<Self>,
+        spec: LossSpec,
+    ) -> LinearGrads<FloatTensor<Self>> {
+        if Self::linear_cross_entropy_fused(&B::float_device(&hidden), hidden.dtype()) {
+            B::linear_cross_entropy_backward_kernel(
+                hidden,
+                weight,
+                bias,
+                labels,
+                lse,
+                f32_of::<B>(dloss),
+                spec,
+            )
+        } else {
+            linear_cross_entropy::composite_backward::<B>(
+                hidden, weight, bias, labels, lse, dloss, spec,
+            )
+        }
+    }
 }
 
 impl<B: BastileBackend, C: CheckpointStrategy> BastileBackend for Autodiff<B, C> {
@@ -281,6 +453,51 @@ impl<B: BastileBackend, C: CheckpointStrategy> BastileBackend for Autodiff<B, C>
         options: RopeOptions,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         rope::autodiff::<B, C>(q, k, cos, sin, options)
+    }
+
+    fn cross_entropy_fused(device: &Device<Self>, dtype: DType) -> bool {
+        B::cross_entropy_fused(device, dtype)
+    }
+
+    fn cross_entropy(
+        logits: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+        spec: LossSpec,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        cross_entropy::autodiff::<B, C>(logits, labels, spec)
+    }
+
+    fn linear_cross_entropy_fused(device: &Device<Self>, dtype: DType) -> bool {
+        B::linear_cross_entropy_fused(device, dtype)
+    }
+
+    fn linear_cross_entropy(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        labels: IntTensor<Self>,
+        spec: LossSpec,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        linear_cross_entropy::autodiff::<B, C>(hidden, weight, bias, labels, spec)
+    }
+}
+
+/// Per-token losses reduced as `spec` says (`Mean` / `Sum`: scaled sum).
+fn reduce_rows<B: Backend>(rows: FloatTensor<B>, spec: &LossSpec) -> FloatTensor<B> {
+    match spec.reduction {
+        Reduction::None => rows,
+        Reduction::Mean | Reduction::Sum => (float::<B, 1>(rows).sum() * spec.scale)
+            .into_primitive()
+            .tensor(),
+    }
+}
+
+/// The tensor as f32 (upstream gradients may come in any float dtype).
+fn f32_of<B: Backend>(t: FloatTensor<B>) -> FloatTensor<B> {
+    if t.dtype() == DType::F32 {
+        t
+    } else {
+        B::float_cast(t, DType::F32.into())
     }
 }
 

@@ -2,12 +2,14 @@
 //! them (copying only when their strides do not allow it), allocate the
 //! outputs, run the autotuned kernel. One file per op.
 
+mod cross_entropy;
 mod geglu;
+mod linear_cross_entropy;
 mod rms_norm;
 mod rope;
 mod swiglu;
 
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Device, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_dtype;
@@ -19,8 +21,11 @@ use bastile_cubecl::rows::Rows;
 
 use super::{KernelBackend, kernel_dtype};
 use crate::RmsNormCast;
+use crate::ops::cross_entropy::LossSpec;
+use crate::ops::linear_cross_entropy::LinearGrads;
 use crate::ops::rope::RopeOptions;
 use crate::ops::swiglu::GluTensors;
+use linear_cross_entropy::Pass;
 
 /// `(rows, row stride)` when the tensor is a stack of unit-stride rows of
 /// its last dimension, evenly spaced (CubeCL's optimized layouts pad the
@@ -161,5 +166,65 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KernelBack
         options: RopeOptions,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         rope::rope(q, k, cos, sin, options)
+    }
+
+    fn cross_entropy_supported(device: &Device<Self>, dtype: DType) -> bool {
+        cross_entropy::supported::<R>(device, dtype)
+    }
+
+    fn cross_entropy_kernel(
+        logits: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+        spec: LossSpec,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        cross_entropy::forward(logits, labels, &spec)
+    }
+
+    fn cross_entropy_grad_kernel(
+        logits: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        dloss: FloatTensor<Self>,
+        spec: LossSpec,
+    ) -> FloatTensor<Self> {
+        cross_entropy::backward(logits, labels, lse, dloss, &spec)
+    }
+
+    fn linear_cross_entropy_kernel(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        labels: IntTensor<Self>,
+        spec: LossSpec,
+        grads: bool,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<LinearGrads<FloatTensor<Self>>>,
+    ) {
+        let pass = if grads {
+            Pass::StatsAndGrads
+        } else {
+            Pass::Stats
+        };
+        let (stats, grads) =
+            linear_cross_entropy::run::<R, F, I, BT>(hidden, weight, bias, labels, &spec, pass);
+        let (losses, lse) = stats.expect("a stats pass returns losses");
+        (losses, lse, grads)
+    }
+
+    fn linear_cross_entropy_backward_kernel(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        labels: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        dloss: FloatTensor<Self>,
+        spec: LossSpec,
+    ) -> LinearGrads<FloatTensor<Self>> {
+        let pass = Pass::Grads { lse, dloss };
+        linear_cross_entropy::run::<R, F, I, BT>(hidden, weight, bias, labels, &spec, pass)
+            .1
+            .expect("a gradient pass returns gradients")
     }
 }

@@ -1,0 +1,193 @@
+//! The fused linear cross-entropy on `CubeBackend`: the token-chunk loop.
+//!
+//! Per chunk of `C` tokens: `logits = h_c · Wᵀ (+ b)` with Burn's matmul,
+//! the cross-entropy kernel turns them into their gradient in place, then
+//! `dh_c = dlogits · W` and `dW += dlogitsᵀ · h_c`, the latter computed with
+//! an f32 output and accumulated in f32 whatever the input dtype (as `db`).
+//! Extra memory: one chunk of logits, the f32 `dW` accumulator and one f32
+//! chunk product.
+
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
+use burn_cubecl::kernel::matmul::{MatmulStrategy, matmul};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+
+use bastile_cubecl::cross_entropy::CrossEntropyMode;
+
+use super::cross_entropy::{Launch, labels_i32, problem};
+use super::{as_rows, empty_like, stride_multiple};
+use crate::kernels::kernel_dtype;
+use crate::ops::cross_entropy::LossSpec;
+use crate::ops::linear_cross_entropy::LinearGrads;
+
+type Cube<R, F, I, BT> = CubeBackend<R, F, I, BT>;
+
+/// What a run of the loop computes (short-lived: its size does not matter).
+#[allow(clippy::large_enum_variant)]
+pub(super) enum Pass<R: CubeRuntime> {
+    /// Losses and `lse` only.
+    Stats,
+    /// Losses, `lse` and the gradients of the scaled loss sum.
+    StatsAndGrads,
+    /// Gradients for per-token upstream gradients, from the forward's `lse`.
+    Grads {
+        lse: CubeTensor<R>,
+        dloss: CubeTensor<R>,
+    },
+}
+
+/// Tokens per chunk. Each chunk pays a fixed cost for the f32 `dW`
+/// accumulation (about 12·V·H bytes of traffic) against `6·C·H·V` flops of
+/// matmuls, so chunks of a few thousand tokens keep it to a few percent;
+/// the chunk's logits stay within half of the largest allocation the
+/// runtime makes (a quarter of device memory on CUDA).
+pub(crate) fn chunk_rows(
+    tokens: usize,
+    vocab: usize,
+    elem_size: usize,
+    max_allocation: u64,
+    requested: Option<usize>,
+) -> usize {
+    const TARGET: usize = 4096;
+    if let Some(c) = requested {
+        return c.clamp(1, tokens.max(1));
+    }
+    let by_memory = (max_allocation as usize / 2) / (vocab * elem_size).max(1);
+    TARGET.min(by_memory).min(tokens).max(1)
+}
+
+fn float<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement, const D: usize>(
+    t: CubeTensor<R>,
+) -> Tensor<Cube<R, F, I, BT>, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+fn prim<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement, const D: usize>(
+    t: Tensor<Cube<R, F, I, BT>, D>,
+) -> CubeTensor<R> {
+    t.into_primitive().tensor()
+}
+
+/// Runs the chunk loop: per-token `(losses, lse)` for the stats passes and
+/// the gradients for the gradient passes.
+#[allow(clippy::type_complexity)]
+pub(super) fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    hidden: CubeTensor<R>,
+    weight: CubeTensor<R>,
+    bias: Option<CubeTensor<R>>,
+    labels: CubeTensor<R>,
+    spec: &LossSpec,
+    pass: Pass<R>,
+) -> (
+    Option<(CubeTensor<R>, CubeTensor<R>)>,
+    Option<LinearGrads<FloatTensor<Cube<R, F, I, BT>>>>,
+) {
+    let client = hidden.client.clone();
+    let dtype = hidden.dtype;
+    let h = float::<R, F, I, BT, 2>(hidden);
+    let w = float::<R, F, I, BT, 2>(weight);
+    let b = bias.map(float::<R, F, I, BT, 1>);
+    let [n, _] = h.dims();
+    let [vocab, _] = w.dims();
+    let labels: Tensor<Cube<R, F, I, BT>, 1, Int> = Tensor::from_primitive(labels_i32(labels));
+    let chunk = chunk_rows(
+        n,
+        vocab,
+        dtype.size(),
+        client.properties().memory.max_page_size,
+        spec.chunk_size,
+    );
+    let (mode, row_inputs) = match pass {
+        Pass::Stats => (CrossEntropyMode::Stats, None),
+        Pass::StatsAndGrads => (CrossEntropyMode::StatsAndGrad, None),
+        Pass::Grads { lse, dloss } => (
+            CrossEntropyMode::Grad,
+            Some((
+                float::<R, F, I, BT, 1>(burn_cubecl::kernel::into_contiguous(lse)),
+                float::<R, F, I, BT, 1>(burn_cubecl::kernel::into_contiguous(dloss)),
+            )),
+        ),
+    };
+    let kernel_dtype = kernel_dtype(dtype).expect("validated dtype");
+    let wt = w.clone().transpose();
+    let mut losses = Vec::new();
+    let mut lses = Vec::new();
+    let mut dh = Vec::new();
+    let mut dw: Option<Tensor<Cube<R, F, I, BT>, 2>> = None;
+    let mut db: Option<Tensor<Cube<R, F, I, BT>, 1>> = None;
+    for start in (0..n).step_by(chunk) {
+        let end = (start + chunk).min(n);
+        let rows = end - start;
+        let hc = h.clone().narrow(0, start, rows);
+        let mut logits = hc.clone().matmul(wt.clone());
+        if let Some(b) = &b {
+            logits = logits + b.clone().reshape([1, vocab]);
+        }
+        let (logits, logits_rows) = as_rows(prim(logits));
+        let labels_c = labels.clone().narrow(0, start, rows).into_primitive();
+        let (chunk_lse, row_scale) = match &row_inputs {
+            Some((lse, dloss)) => (
+                prim(lse.clone().narrow(0, start, rows)),
+                Some(prim(dloss.clone().narrow(0, start, rows))),
+            ),
+            None => (empty_like(&logits, [rows].into(), DType::F32), None),
+        };
+        let chunk_losses = empty_like(&logits, [rows].into(), DType::F32);
+        let p = problem(
+            rows,
+            vocab,
+            kernel_dtype,
+            stride_multiple(vocab, &[&logits_rows]),
+            spec,
+        );
+        Launch {
+            logits: &logits,
+            logits_rows: &logits_rows,
+            labels: &labels_c,
+            grad: None,
+            losses: &chunk_losses,
+            lse: &chunk_lse,
+            row_scale: row_scale.as_ref(),
+        }
+        .run(p, mode);
+        if mode != CrossEntropyMode::Grad {
+            losses.push(float::<R, F, I, BT, 1>(chunk_losses));
+            lses.push(float::<R, F, I, BT, 1>(chunk_lse));
+        }
+        if mode == CrossEntropyMode::Stats {
+            continue;
+        }
+        // The logits now hold their gradient.
+        let dlogits = float::<R, F, I, BT, 2>(logits);
+        dh.push(dlogits.clone().matmul(w.clone()));
+        let dw_c = matmul(
+            prim(dlogits.clone().transpose()),
+            prim(hc),
+            None,
+            MatmulStrategy::default(),
+            DType::F32,
+        )
+        .unwrap_or_else(|e| panic!("the weight-gradient matmul could not be set up: {e:?}"));
+        let dw_c = float::<R, F, I, BT, 2>(dw_c);
+        dw = Some(match dw {
+            Some(acc) => acc + dw_c,
+            None => dw_c,
+        });
+        if b.is_some() {
+            let db_c = dlogits.sum_dim(0).reshape([vocab]).cast(DType::F32);
+            db = Some(match db {
+                Some(acc) => acc + db_c,
+                None => db_c,
+            });
+        }
+    }
+    let stats = (mode != CrossEntropyMode::Grad)
+        .then(|| (prim(Tensor::cat(losses, 0)), prim(Tensor::cat(lses, 0))));
+    let grads = (mode != CrossEntropyMode::Stats).then(|| LinearGrads {
+        hidden: prim(Tensor::cat(dh, 0)),
+        weight: prim(dw.expect("at least one chunk").cast(dtype)),
+        bias: db.map(|db| prim(db.cast(dtype))),
+    });
+    (stats, grads)
+}
