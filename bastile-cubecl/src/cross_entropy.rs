@@ -27,7 +27,7 @@ use cubecl::server::Handle;
 use cubecl::tune::{LocalTuner, local_tuner};
 
 use crate::launch::gcd;
-use crate::reduce::{RowReduce, row_max, row_sum, row_sum_scratch};
+use crate::reduce::{RowReduce, lane_sum, row_max, row_sum, row_sum_scratch};
 use crate::rows::{Rows, tensor_arg};
 use crate::tune::{CandidateCache, Tuner, run_tuned_with};
 use crate::{FloatDtype, KernelError, launch};
@@ -159,17 +159,6 @@ pub struct CeConfig {
     pub softcap: bool,
     pub smoothing: bool,
     pub row_scale: RowScale,
-}
-
-/// Sum of the lanes of a vector.
-#[cube]
-fn lane_sum<N: Size>(v: Vector<f32, N>) -> f32 {
-    let mut total = 0.0f32;
-    #[unroll]
-    for i in 0..v.size() {
-        total += v[i];
-    }
-    total
 }
 
 /// Largest lane of a vector.

@@ -61,6 +61,17 @@ pub fn row_max(
     row_combine(value, scratch, units_per_row, slots_per_row, reduce, true)
 }
 
+/// Sum of the lanes of a vector.
+#[cube]
+pub fn lane_sum<N: Size>(v: Vector<f32, N>) -> f32 {
+    let mut total = 0.0f32;
+    #[unroll]
+    for i in 0..v.size() {
+        total += v[i];
+    }
+    total
+}
+
 /// `a + b`, or `max(a, b)` when `max`.
 #[cube]
 fn combine(a: f32, b: f32, #[comptime] max: bool) -> f32 {

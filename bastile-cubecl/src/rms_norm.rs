@@ -25,7 +25,7 @@ use cubecl::tune::{LocalTuner, local_tuner};
 
 use crate::elementwise::round_through;
 use crate::launch::gcd;
-use crate::reduce::{RowReduce, column_sum, row_sum, row_sum_scratch};
+use crate::reduce::{RowReduce, column_sum, lane_sum, row_sum, row_sum_scratch};
 pub use crate::rows::Rows;
 use crate::rows::tensor_arg;
 use crate::tune::{CandidateCache, Launcher, Tuner, run_tuned};
@@ -211,17 +211,6 @@ fn load_gamma<F: Float, N: Size>(
     #[comptime] cfg: RowConfig,
 ) -> Array<Vector<f32, N>> {
     load_row::<F, N>(gamma, 0, 0, true, cfg)
-}
-
-/// Sum of the lanes of a vector.
-#[cube]
-fn lane_sum<N: Size>(v: Vector<f32, N>) -> f32 {
-    let mut total = 0.0f32;
-    #[unroll]
-    for i in 0..v.size() {
-        total += v[i];
-    }
-    total
 }
 
 #[cube(launch_unchecked)]

@@ -270,7 +270,7 @@ pub(crate) fn output<B: Backend>(
 }
 
 /// `Mean` / `Sum`: the scaled sum as a `[1]` tensor; `None`: as is.
-fn reduce<B: Backend>(rows: Tensor<B, 1>, spec: &LossSpec) -> Tensor<B, 1> {
+pub(crate) fn reduce<B: Backend>(rows: Tensor<B, 1>, spec: &LossSpec) -> Tensor<B, 1> {
     match spec.reduction {
         Reduction::None => rows,
         Reduction::Mean | Reduction::Sum => rows.sum() * spec.scale,

@@ -24,7 +24,7 @@ use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 use crate::{Bastile, BastileError, RmsNormCast, patches};
-use cross_entropy::{LossPair, LossSpec, Reduction};
+use cross_entropy::{LossPair, LossSpec};
 use linear_cross_entropy::LinearGrads;
 use rope::RopeOptions;
 use swiglu::GluTensors;
@@ -484,12 +484,9 @@ impl<B: BastileBackend, C: CheckpointStrategy> BastileBackend for Autodiff<B, C>
 
 /// Per-token losses reduced as `spec` says (`Mean` / `Sum`: scaled sum).
 fn reduce_rows<B: Backend>(rows: FloatTensor<B>, spec: &LossSpec) -> FloatTensor<B> {
-    match spec.reduction {
-        Reduction::None => rows,
-        Reduction::Mean | Reduction::Sum => (float::<B, 1>(rows).sum() * spec.scale)
-            .into_primitive()
-            .tensor(),
-    }
+    cross_entropy::reduce(float::<B, 1>(rows), spec)
+        .into_primitive()
+        .tensor()
 }
 
 /// The tensor as f32 (upstream gradients may come in any float dtype).
