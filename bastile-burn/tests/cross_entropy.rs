@@ -247,7 +247,9 @@ impl BackendTest for LinearMatchesReference {
             (base, true, 4),
             (base.with_reduction(Reduction::Sum), false, 3),
             (base.with_reduction(Reduction::None), true, 5),
-            (base.with_label_smoothing(0.1), false, 0),
+            // One chunk for all 37 tokens: the weight gradient comes from a
+            // single product, with no accumulation across chunks.
+            (base.with_chunk_size(64).with_label_smoothing(0.1), false, 0),
             (base.with_z_loss(1e-2).with_normalizer(50.0), true, 2),
             (base.with_softcap(2.0), false, 6),
             (
@@ -316,10 +318,6 @@ impl BackendTest for VocabulariesAndIgnored {
                 let what = format!("{name} {dtype:?} {s:?}");
                 eprintln!("case {what}");
                 let got = run_linear::<Bastile<B>>(&x, s, o, dtype, device);
-                eprintln!(
-                    "lse got {:?} expected {:?}; labels {:?}",
-                    got.lse, exp.lse, x.labels
-                );
                 compare(&what, &got, &exp, matmul_tol(dtype, name), seed);
             }
             let s = Shape {

@@ -1,1 +1,21 @@
-//! Qwen3, Llama 3.x and GPT-OSS in Burn (models land here).
+//! Qwen3, Llama 3.x and GPT-OSS in Burn, generic over
+//! [`bastile::BastileBackend`]: the same model code is the baseline under
+//! `Autodiff<Cuda>` and runs Bastile's fused kernels under
+//! `Autodiff<Bastile<Cuda>>`. Hugging Face checkpoints load with
+//! [`CausalLm::from_hf_dir`] and save with [`CausalLm::save_hf_dir`];
+//! [`presets`] names the published sizes so nothing needs a download.
+
+pub mod attention;
+pub mod config;
+mod error;
+mod hf;
+pub mod mlp;
+pub mod model;
+pub mod moe;
+pub mod presets;
+pub mod train;
+
+pub use config::{Architecture, HfConfig, ModelConfig, MoeConfig};
+pub use error::ModelError;
+pub use model::CausalLm;
+pub use train::{MicroBatch, StepOutput, TrainConfig, Trainer};

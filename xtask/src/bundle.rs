@@ -16,6 +16,8 @@ const GPU_TESTS: &[&str] = &[
     "geglu",
     "rope",
     "cross_entropy",
+    "hf_parity",
+    "training",
 ];
 
 /// Builds with cargo and returns the executables it reports.
@@ -40,6 +42,8 @@ fn build_executables(args: &[&str]) -> Result<Vec<(String, PathBuf)>, String> {
             let pkg = msg["package_id"].as_str().unwrap_or_default();
             let crate_name = if pkg.contains("bastile-cubecl") {
                 "cubecl"
+            } else if pkg.contains("bastile-models") {
+                "models"
             } else {
                 "burn"
             };
@@ -72,7 +76,16 @@ pub fn build(dest: &str, only: &[String]) -> Result<(), String> {
     let _ = std::fs::remove_dir_all(dest);
     std::fs::create_dir_all(out.join("tests")).map_err(|e| e.to_string())?;
     std::fs::create_dir_all(dest).map_err(|e| e.to_string())?;
-    let tests = build_executables(&["test", "-p", "bastile-cubecl", "-p", "bastile", "--no-run"])?;
+    let tests = build_executables(&[
+        "test",
+        "-p",
+        "bastile-cubecl",
+        "-p",
+        "bastile",
+        "-p",
+        "bastile-models",
+        "--no-run",
+    ])?;
     let bench = build_executables(&["build", "-p", "bastile-benches", "--bin", "bastile-bench"])?;
     let mut names = Vec::new();
     for (name, exe) in tests

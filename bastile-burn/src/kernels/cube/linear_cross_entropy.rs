@@ -2,10 +2,14 @@
 //!
 //! Per chunk of `C` tokens: `logits = h_c · Wᵀ (+ b)` with Burn's matmul,
 //! the cross-entropy kernel turns them into their gradient in place, then
-//! `dh_c = dlogits · W` and `dW += dlogitsᵀ · h_c`, the latter computed with
-//! an f32 output and accumulated in f32 whatever the input dtype (as `db`).
-//! Extra memory: one chunk of logits, the f32 `dW` accumulator and one f32
-//! chunk product.
+//! `dh_c = dlogits · W` and `dW += dlogitsᵀ · h_c`. Across chunks `dW` (and
+//! `db`) accumulate in f32 whatever the input dtype: each chunk's product is
+//! computed with an f32 output, in vocabulary slices so that the f32
+//! temporary stays at half a chunk of logits. When one chunk covers every
+//! token nothing accumulates across chunks: each slice is cast to the input
+//! dtype as soon as it is computed, and no f32 accumulator exists.
+//! Extra memory: one chunk of logits and one f32 slice product, plus the
+//! f32 `dW` accumulator when there are several chunks.
 
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
@@ -57,6 +61,18 @@ pub(crate) fn chunk_rows(
     TARGET.min(by_memory).min(tokens).max(1)
 }
 
+/// Vocabulary rows per f32 weight-gradient product: the product of a slice
+/// (`rows × H × 4` bytes) stays within half of the chunk's logits
+/// (`chunk × V × elem_size`), so slicing never raises the peak.
+pub(crate) fn weight_slice_rows(
+    chunk: usize,
+    vocab: usize,
+    hidden: usize,
+    elem_size: usize,
+) -> usize {
+    (chunk * vocab * elem_size / (8 * hidden.max(1))).clamp(1, vocab.max(1))
+}
+
 fn float<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement, const D: usize>(
     t: CubeTensor<R>,
 ) -> Tensor<Cube<R, F, I, BT>, D> {
@@ -67,6 +83,20 @@ fn prim<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement, const D
     t: Tensor<Cube<R, F, I, BT>, D>,
 ) -> CubeTensor<R> {
     t.into_primitive().tensor()
+}
+
+/// The weight gradient from its slices, in `dtype`: each f32 slice is
+/// freed as soon as it is cast, and a single slice is not copied.
+fn join_slices<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    slices: impl Iterator<Item = Tensor<Cube<R, F, I, BT>, 2>>,
+    dtype: DType,
+) -> Tensor<Cube<R, F, I, BT>, 2> {
+    let mut parts: Vec<_> = slices.map(|part| part.cast(dtype)).collect();
+    if parts.len() == 1 {
+        parts.pop().expect("one slice")
+    } else {
+        Tensor::cat(parts, 0)
+    }
 }
 
 /// Runs the chunk loop: per-token `(losses, lse)` for the stats passes and
@@ -89,7 +119,7 @@ pub(super) fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElemen
     let w = float::<R, F, I, BT, 2>(weight);
     let b = bias.map(float::<R, F, I, BT, 1>);
     let [n, _] = h.dims();
-    let [vocab, _] = w.dims();
+    let [vocab, hidden_size] = w.dims();
     let labels: Tensor<Cube<R, F, I, BT>, 1, Int> = Tensor::from_primitive(labels_i32(labels));
     let chunk = chunk_rows(
         n,
@@ -114,7 +144,11 @@ pub(super) fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElemen
     let mut losses = Vec::new();
     let mut lses = Vec::new();
     let mut dh = Vec::new();
-    let mut dw: Option<Tensor<Cube<R, F, I, BT>, 2>> = None;
+    // `dW` per vocabulary slice: f32 accumulators across chunks, or the
+    // slices in `dtype` when one chunk covers every token.
+    let single_chunk = chunk >= n;
+    let slice = weight_slice_rows(chunk, vocab, hidden_size, dtype.size());
+    let mut dw: Vec<Option<Tensor<Cube<R, F, I, BT>, 2>>> = Vec::new();
     let mut db: Option<Tensor<Cube<R, F, I, BT>, 1>> = None;
     for start in (0..n).step_by(chunk) {
         let end = (start + chunk).min(n);
@@ -161,19 +195,31 @@ pub(super) fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElemen
         // The logits now hold their gradient.
         let dlogits = float::<R, F, I, BT, 2>(logits);
         dh.push(dlogits.clone().matmul(w.clone()));
-        let dw_c = matmul(
-            prim(dlogits.clone().transpose()),
-            prim(hc),
-            None,
-            MatmulStrategy::default(),
-            DType::F32,
-        )
-        .unwrap_or_else(|e| panic!("the weight-gradient matmul could not be set up: {e:?}"));
-        let dw_c = float::<R, F, I, BT, 2>(dw_c);
-        dw = Some(match dw {
-            Some(acc) => acc + dw_c,
-            None => dw_c,
-        });
+        let weight_product = |v0: usize, rows: usize, out_dtype: DType| {
+            let d = dlogits.clone().narrow(1, v0, rows).transpose();
+            float::<R, F, I, BT, 2>(
+                matmul(
+                    prim(d),
+                    prim(hc.clone()),
+                    None,
+                    MatmulStrategy::default(),
+                    out_dtype,
+                )
+                .unwrap_or_else(|e| {
+                    panic!("the weight-gradient matmul could not be set up: {e:?}")
+                }),
+            )
+        };
+        for (i, v0) in (0..vocab).step_by(slice).enumerate() {
+            let part = weight_product(v0, slice.min(vocab - v0), DType::F32);
+            // Taken out of its slot so the addition runs in place.
+            match dw.get_mut(i) {
+                Some(slot) => *slot = slot.take().map(|acc| acc + part),
+                // With one chunk nothing accumulates: down to `dtype` now.
+                None if single_chunk => dw.push(Some(part.cast(dtype))),
+                None => dw.push(Some(part)),
+            }
+        }
         if b.is_some() {
             let db_c = dlogits.sum_dim(0).reshape([vocab]).cast(DType::F32);
             db = Some(match db {
@@ -186,7 +232,7 @@ pub(super) fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElemen
         .then(|| (prim(Tensor::cat(losses, 0)), prim(Tensor::cat(lses, 0))));
     let grads = (mode != CrossEntropyMode::Stats).then(|| LinearGrads {
         hidden: prim(Tensor::cat(dh, 0)),
-        weight: prim(dw.expect("at least one chunk").cast(dtype)),
+        weight: prim(join_slices(dw.into_iter().flatten(), dtype)),
         bias: db.map(|db| prim(db.cast(dtype))),
     });
     (stats, grads)

@@ -1,0 +1,40 @@
+//! The error type of the model crate: every user mistake (a bad path, a
+//! corrupt file, a config the models do not support, weights that do not
+//! fit the config) is reported with what was expected and what was found.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A JSON file (config, shard index) that does not parse.
+    #[error("{path}: invalid JSON: {message}")]
+    Json { path: PathBuf, message: String },
+    /// A config the models cannot build.
+    #[error("invalid or unsupported config: {0}")]
+    Config(String),
+    /// A safetensors file that cannot be read (e.g. a corrupt header).
+    #[error("{path}: {message}")]
+    Safetensors { path: PathBuf, message: String },
+    /// Weights that do not fit the model built from the config.
+    #[error("the checkpoint does not match the model: {0}")]
+    Weights(String),
+    /// A tensor-level mistake reported by Bastile (shape, dtype, device).
+    #[error(transparent)]
+    Bastile(#[from] bastile::BastileError),
+}
+
+impl ModelError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,185 @@
+//! A reusable training step for [`CausalLm`]: forward, the fused linear
+//! cross-entropy (labels shifted, `ignore_index` for padding and prompt),
+//! backward, gradient accumulation over micro-batches, gradient clipping by
+//! global norm and AdamW with a warmup + cosine learning-rate schedule.
+
+use bastile::{BastileBackend, CrossEntropyOptions, Reduction};
+use burn::grad_clipping::GradientClippingConfig;
+use burn::module::AutodiffModule;
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{AdamW, AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
+use burn::tensor::ElementConversion;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Int, Tensor};
+
+use crate::{CausalLm, ModelError};
+
+/// Optimizer and schedule settings (HF `TrainingArguments` names where
+/// they exist).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainConfig {
+    pub learning_rate: f64,
+    pub warmup_steps: usize,
+    /// Optimizer steps of the cosine schedule (it decays to 0 at the end).
+    pub total_steps: usize,
+    pub weight_decay: f32,
+    pub adam_beta1: f32,
+    pub adam_beta2: f32,
+    pub adam_epsilon: f32,
+    /// Clip the global gradient norm to this (`None`: no clipping).
+    pub max_grad_norm: Option<f32>,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            learning_rate: 2e-5,
+            warmup_steps: 0,
+            total_steps: 1000,
+            weight_decay: 0.0,
+            adam_beta1: 0.9,
+            adam_beta2: 0.999,
+            adam_epsilon: 1e-8,
+            max_grad_norm: Some(1.0),
+        }
+    }
+}
+
+impl TrainConfig {
+    /// HF's `get_cosine_schedule_with_warmup`: linear from 0 over the
+    /// warmup, then half a cosine down to 0 at `total_steps`.
+    pub fn lr_at(&self, step: usize) -> f64 {
+        if step < self.warmup_steps {
+            return self.learning_rate * step as f64 / self.warmup_steps.max(1) as f64;
+        }
+        let span = self.total_steps.saturating_sub(self.warmup_steps).max(1);
+        let progress = ((step - self.warmup_steps) as f64 / span as f64).min(1.0);
+        self.learning_rate * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+    }
+
+    fn validate(&self) -> Result<(), ModelError> {
+        let bad = |m: String| Err(ModelError::Config(m));
+        if !(self.learning_rate.is_finite() && self.learning_rate >= 0.0) {
+            return bad(format!(
+                "learning_rate must be >= 0, got {}",
+                self.learning_rate
+            ));
+        }
+        if self.total_steps == 0 || self.warmup_steps > self.total_steps {
+            return bad(format!(
+                "need 0 <= warmup_steps ({}) <= total_steps ({}) and total_steps >= 1",
+                self.warmup_steps, self.total_steps
+            ));
+        }
+        if let Some(n) = self.max_grad_norm
+            && !(n.is_finite() && n > 0.0)
+        {
+            return bad(format!("max_grad_norm must be positive, got {n}"));
+        }
+        Ok(())
+    }
+}
+
+/// One micro-batch: token ids and (unshifted) labels, `[batch, seq]`.
+pub struct MicroBatch<B: AutodiffBackend> {
+    pub ids: Tensor<B, 2, Int>,
+    pub labels: Tensor<B, 2, Int>,
+}
+
+/// What an optimizer step did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepOutput {
+    /// The mean loss over every counted token of the step's micro-batches.
+    pub loss: f64,
+    /// Tokens that counted (labels not ignored, after the shift).
+    pub tokens: usize,
+    pub learning_rate: f64,
+}
+
+/// AdamW + schedule + accumulation state.
+pub struct Trainer<B: AutodiffBackend + BastileBackend> {
+    pub config: TrainConfig,
+    optimizer: OptimizerAdaptor<AdamW, CausalLm<B>, B>,
+    step: usize,
+}
+
+impl<B> Trainer<B>
+where
+    B: AutodiffBackend + BastileBackend,
+    B::InnerBackend: BastileBackend,
+{
+    pub fn new(config: TrainConfig) -> Result<Self, ModelError> {
+        config.validate()?;
+        let optimizer = AdamWConfig::new()
+            .with_beta_1(config.adam_beta1)
+            .with_beta_2(config.adam_beta2)
+            .with_epsilon(config.adam_epsilon)
+            .with_weight_decay(config.weight_decay)
+            .with_grad_clipping(config.max_grad_norm.map(GradientClippingConfig::Norm))
+            .init::<B, CausalLm<B>>();
+        Ok(Self {
+            config,
+            optimizer,
+            step: 0,
+        })
+    }
+
+    /// Optimizer steps taken.
+    pub fn steps(&self) -> usize {
+        self.step
+    }
+
+    /// One optimizer step over `micro_batches` (gradient accumulation):
+    /// each micro-batch's loss is normalized by the token count of all of
+    /// them, so the step follows the mean over every counted token, as one
+    /// large batch would.
+    pub fn step(
+        &mut self,
+        model: CausalLm<B>,
+        micro_batches: &[MicroBatch<B>],
+    ) -> Result<(CausalLm<B>, StepOutput), ModelError>
+    where
+        CausalLm<B>: AutodiffModule<B>,
+    {
+        if micro_batches.is_empty() {
+            return Err(ModelError::Config(
+                "a step needs at least one micro-batch".into(),
+            ));
+        }
+        let ignore = CrossEntropyOptions::default().ignore_index;
+        // Counted tokens: labels after the shift (position 0 never counts).
+        let tokens: usize = micro_batches
+            .iter()
+            .map(|m| {
+                let [_, s] = m.labels.dims();
+                if s < 2 {
+                    return 0;
+                }
+                let counted = m.labels.clone().narrow(1, 1, s - 1).not_equal_elem(ignore);
+                counted.int().sum().into_scalar().elem::<i64>() as usize
+            })
+            .sum();
+        let options = CrossEntropyOptions::default()
+            .with_reduction(Reduction::Mean)
+            .with_normalizer(tokens.max(1) as f64);
+        let mut accumulator = GradientsAccumulator::new();
+        let mut loss = 0.0;
+        for m in micro_batches {
+            let out = model.loss(m.ids.clone(), m.labels.clone(), options)?;
+            loss += out.loss.clone().into_scalar().elem::<f64>();
+            let grads = GradientsParams::from_grads(out.loss.backward(), &model);
+            accumulator.accumulate(&model, grads);
+        }
+        let lr = self.config.lr_at(self.step);
+        let model = self.optimizer.step(lr, model, accumulator.grads());
+        self.step += 1;
+        Ok((
+            model,
+            StepOutput {
+                loss,
+                tokens,
+                learning_rate: lr,
+            },
+        ))
+    }
+}

@@ -1,0 +1,171 @@
+//! Training with and without Bastile follows the same loss curve: tiny
+//! Qwen3 and GPT-OSS checkpoints (the HF parity fixtures) trained 30 AdamW
+//! steps on fixed data, two micro-batches per step, under `Autodiff<Wgpu>`
+//! (composite ops) and `Autodiff<Bastile<Wgpu>>` (fused kernels).
+
+use std::path::PathBuf;
+
+use bastile::BastileBackend;
+use bastile_cubecl::testing::runtime_selected;
+use bastile_models::{CausalLm, MicroBatch, TrainConfig, Trainer};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn_store::ModuleSnapshot;
+
+const STEPS: usize = 30;
+
+fn config() -> TrainConfig {
+    TrainConfig {
+        learning_rate: 3e-3,
+        warmup_steps: 3,
+        total_steps: STEPS,
+        weight_decay: 0.01,
+        max_grad_norm: Some(1.0),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn learning_rate_schedule_is_warmup_then_cosine() {
+    let c = config();
+    assert_eq!(c.lr_at(0), 0.0);
+    assert!((c.lr_at(1) - 1e-3).abs() < 1e-12);
+    assert!((c.lr_at(3) - 3e-3).abs() < 1e-12);
+    let mid = c.lr_at(3 + 27 / 2);
+    assert!((mid - 3e-3 * 0.5 * (1.0 + (std::f64::consts::PI * 13.0 / 27.0).cos())).abs() < 1e-12);
+    assert!(c.lr_at(STEPS).abs() < 1e-15);
+    assert!(
+        Trainer::<burn::backend::Autodiff<burn::backend::NdArray>>::new(TrainConfig {
+            warmup_steps: 40,
+            ..config()
+        })
+        .is_err()
+    );
+}
+
+/// Losses per step and the final parameters (path → values).
+fn train<B>(name: &str, dtype: DType) -> (Vec<f64>, Vec<(String, Vec<f32>)>)
+where
+    B: AutodiffBackend + BastileBackend,
+    B::InnerBackend: BastileBackend,
+{
+    let device = Default::default();
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(name);
+    let mut model = CausalLm::<B>::from_hf_dir(dir, &device)
+        .unwrap()
+        .with_dtype(dtype)
+        .unwrap();
+    let vocab = model.config.vocab_size as i64;
+    let batch = |seed: i64| {
+        let ids: Vec<i64> = (0..2 * 12).map(|i| (i * 131 + seed * 17) % vocab).collect();
+        let mut labels = ids.clone();
+        labels[..3].fill(-100); // a masked prompt
+        labels[20] = -100; // padding
+        MicroBatch {
+            ids: Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [2, 12]), &device),
+            labels: Tensor::<B, 2, Int>::from_data(TensorData::new(labels, [2, 12]), &device),
+        }
+    };
+    let data = [batch(1), batch(2)];
+    let mut trainer = Trainer::<B>::new(config()).unwrap();
+    let mut losses = Vec::new();
+    for _ in 0..STEPS {
+        let (m, out) = trainer.step(model, &data).unwrap();
+        model = m;
+        losses.push(out.loss);
+    }
+    let params = model
+        .collect(None, None, true)
+        .into_iter()
+        .map(|s| {
+            let v = s
+                .to_data()
+                .unwrap()
+                .convert::<f32>()
+                .to_vec::<f32>()
+                .unwrap();
+            (s.full_path(), v)
+        })
+        .collect();
+    (losses, params)
+}
+
+/// Both runs learn the batch and agree step by step within `loss_tol`
+/// (relative), and their final parameters within `param_tol` (relative L2).
+fn compare(
+    what: &str,
+    (base, base_params): (Vec<f64>, Vec<(String, Vec<f32>)>),
+    (fused, fused_params): (Vec<f64>, Vec<(String, Vec<f32>)>),
+    loss_tol: f64,
+    param_tol: f64,
+) {
+    eprintln!("{what} baseline losses {base:?}");
+    eprintln!("{what} bastile  losses {fused:?}");
+    assert!(
+        base[STEPS - 1] < 0.5 * base[0] && fused[STEPS - 1] < 0.5 * fused[0],
+        "{what}: training did not learn the fixed batch"
+    );
+    for (i, (a, b)) in base.iter().zip(&fused).enumerate() {
+        let rel = (a - b).abs() / a.abs();
+        assert!(
+            rel <= loss_tol,
+            "{what} step {i}: loss {b} vs baseline {a} (relative {rel:.2e})"
+        );
+    }
+    assert_eq!(base_params.len(), fused_params.len());
+    let mut worst = 0.0f64;
+    for ((pa, a), (pb, b)) in base_params.iter().zip(&fused_params) {
+        assert_eq!(pa, pb);
+        let diff: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+        let norm: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum();
+        let rel = (diff / norm.max(f64::MIN_POSITIVE)).sqrt();
+        worst = worst.max(rel);
+        assert!(
+            rel <= param_tol,
+            "{what}: parameter {pa} differs by {rel:.2e} (relative L2)"
+        );
+    }
+    eprintln!("{what}: largest parameter difference {worst:.2e} (relative L2)");
+}
+
+fn same_curve(name: &str) {
+    let mut ran = false;
+    if runtime_selected("wgpu", cfg!(feature = "wgpu")) {
+        #[cfg(feature = "wgpu")]
+        {
+            use burn::backend::{Autodiff, Wgpu};
+            bastile::apply(bastile::Patches::default());
+            let base = train::<Autodiff<Wgpu>>(name, DType::F32);
+            let fused = train::<Autodiff<bastile::Bastile<Wgpu>>>(name, DType::F32);
+            compare(&format!("{name} wgpu f32"), base, fused, 1e-5, 1e-4);
+            ran = true;
+        }
+    }
+    if runtime_selected("cuda", cfg!(feature = "cuda")) {
+        #[cfg(feature = "cuda")]
+        {
+            use burn::backend::{Autodiff, Cuda};
+            bastile::apply(bastile::Patches::default());
+            let base = train::<Autodiff<Cuda>>(name, DType::BF16);
+            let fused = train::<Autodiff<bastile::Bastile<Cuda>>>(name, DType::BF16);
+            compare(&format!("{name} cuda bf16"), base, fused, 2e-2, 5e-2);
+            ran = true;
+        }
+    }
+    assert!(
+        ran,
+        "no runtime selected: set BASTILE_TEST_RUNTIMES to wgpu and/or cuda"
+    );
+}
+
+#[test]
+fn qwen3_trains_the_same_with_and_without_bastile() {
+    same_curve("qwen3");
+}
+
+#[test]
+fn gpt_oss_trains_the_same_with_and_without_bastile() {
+    same_curve("gpt_oss");
+}
