@@ -8,7 +8,7 @@ use burn::module::{Module, Param};
 use burn::nn::{Initializer, Linear, LinearConfig};
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Int, Tensor};
+use burn::tensor::{Bool, DType, Int, Tensor};
 
 use crate::ModelError;
 use crate::config::ModelConfig;
@@ -68,13 +68,15 @@ impl<B: Backend> Attention<B> {
     }
 }
 
-/// `true` where position `k` may not be attended from position `q`: the
-/// future, and with a window `w` everything `w` or more positions back.
-fn masked<B: Backend>(
+/// `[seq, seq]`, `true` where position `k` may not be attended from
+/// position `q`: the future, and with a window `w` everything `w` or more
+/// positions back. Built once per forward for each distinct window (see
+/// [`Attention::window`]) and shared by the layers that use it.
+pub fn attention_mask<B: Backend>(
     seq: usize,
     window: Option<usize>,
     device: &B::Device,
-) -> Tensor<B, 2, burn::tensor::Bool> {
+) -> Tensor<B, 2, Bool> {
     let pos = Tensor::<B, 1, Int>::arange(0..seq as i64, device);
     let q = pos.clone().reshape([seq, 1]);
     let k = pos.reshape([1, seq]);
@@ -86,11 +88,13 @@ fn masked<B: Backend>(
 }
 
 impl<B: BastileBackend> Attention<B> {
-    /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`.
+    /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`; `mask` is
+    /// [`attention_mask`] for this layer's window.
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
         tables: &RopeTables<B>,
+        mask: &Tensor<B, 2, Bool>,
     ) -> Result<Tensor<B, 3>, ModelError> {
         let [b, s, _] = x.dims();
         let (nh, nkv, d) = (self.heads, self.kv_heads, self.head_dim);
@@ -119,9 +123,7 @@ impl<B: BastileBackend> Attention<B> {
         let scale = (d as f64).powf(-0.5);
         // Scores and softmax in f32, as HF's eager attention does.
         let scores = q.matmul(k.swap_dims(2, 3)).cast(DType::F32) * scale;
-        let mask = masked::<B>(s, self.window, &scores.device())
-            .unsqueeze::<4>()
-            .expand([b, nh, s, s]);
+        let mask = mask.clone().unsqueeze::<4>().expand([b, nh, s, s]);
         let scores = scores.mask_fill(mask, f32::NEG_INFINITY);
         let probs = match &self.sinks {
             // A sink is one more logit per head in the softmax, dropped

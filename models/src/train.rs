@@ -8,7 +8,6 @@ use burn::grad_clipping::GradientClippingConfig;
 use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
-use burn::tensor::ElementConversion;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor};
 
@@ -147,29 +146,38 @@ where
             ));
         }
         let ignore = CrossEntropyOptions::default().ignore_index;
-        // Counted tokens: labels after the shift (position 0 never counts).
-        let tokens: usize = micro_batches
+        // Counted tokens: labels after the shift (position 0 never counts),
+        // read in one transfer for all micro-batches.
+        let counts: Vec<Tensor<B, 1, Int>> = micro_batches
             .iter()
-            .map(|m| {
+            .filter_map(|m| {
                 let [_, s] = m.labels.dims();
-                if s < 2 {
-                    return 0;
-                }
-                let counted = m.labels.clone().narrow(1, 1, s - 1).not_equal_elem(ignore);
-                counted.int().sum().into_scalar().elem::<i64>() as usize
+                (s >= 2).then(|| {
+                    let counted = m.labels.clone().narrow(1, 1, s - 1).not_equal_elem(ignore);
+                    counted.int().sum()
+                })
             })
-            .sum();
+            .collect();
+        let tokens: usize = if counts.is_empty() {
+            0
+        } else {
+            let counts = Tensor::cat(counts, 0).into_data().convert::<i64>();
+            counts.iter::<i64>().sum::<i64>() as usize
+        };
         let options = CrossEntropyOptions::default()
             .with_reduction(Reduction::Mean)
             .with_normalizer(tokens.max(1) as f64);
         let mut accumulator = GradientsAccumulator::new();
-        let mut loss = 0.0;
+        // Each micro-batch's loss, detached, read together after the last.
+        let mut losses = Vec::with_capacity(micro_batches.len());
         for m in micro_batches {
             let out = model.loss(m.ids.clone(), m.labels.clone(), options)?;
-            loss += out.loss.clone().into_scalar().elem::<f64>();
+            losses.push(out.loss.clone().detach());
             let grads = GradientsParams::from_grads(out.loss.backward(), &model);
             accumulator.accumulate(&model, grads);
         }
+        let losses = Tensor::cat(losses, 0).into_data().convert::<f64>();
+        let loss = losses.iter::<f64>().sum::<f64>();
         let lr = self.config.lr_at(self.step);
         let model = self.optimizer.step(lr, model, accumulator.grads());
         self.step += 1;
