@@ -174,7 +174,8 @@ impl<B: Backend> CausalLm<B> {
     }
 
     /// Writes `config.json` and `model.safetensors` that HF transformers
-    /// loads (`AutoModelForCausalLM.from_pretrained(dir)`).
+    /// loads (`AutoModelForCausalLM.from_pretrained(dir)`), replacing a
+    /// checkpoint already there.
     pub fn save_hf_dir(&self, dir: impl AsRef<Path>) -> Result<(), ModelError> {
         let dir = dir.as_ref();
         std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
@@ -197,6 +198,9 @@ impl<B: Backend> CausalLm<B> {
             .with_to_adapter(BurnToPyTorchAdapter)
             .with_key_remapping(r"^(.*norm)\.gamma$", "${1}.weight")
             .skip_enum_variants(true)
+            // Saving again into the same directory replaces the checkpoint,
+            // as it replaces config.json.
+            .overwrite(true)
             .metadata("format", "pt");
         self.save_into(&mut store)
             .map_err(|e| ModelError::Safetensors {
