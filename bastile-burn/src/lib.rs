@@ -63,6 +63,17 @@ pub use ops::rope::{RopeLayout, RopeOptions, RopePairing, RopeTables, rope, rope
 pub use ops::swiglu::{GluTensors, swiglu, swiglu_packed};
 pub use patches::{Op, Patches, apply, patched_ops, reset};
 
+/// Lets f32 matmuls on cuBLASLt use TF32 tensor cores (products with a
+/// 10-bit mantissa, several times faster). Off by default, so f32 training
+/// stays f32; bf16/f16 matmuls always accumulate in f32. Without the `cuda`
+/// feature there is no cuBLASLt path and this does nothing.
+pub fn allow_tf32(allow: bool) {
+    #[cfg(feature = "cuda")]
+    bastile_cubecl::cublaslt::set_tf32(allow);
+    #[cfg(not(feature = "cuda"))]
+    let _ = allow;
+}
+
 /// Forgets the launch configurations autotuned in this process, so the
 /// next call of each op tunes again (CubeCL's on-disk cache is kept).
 pub fn clear_autotune_cache() {

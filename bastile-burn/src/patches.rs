@@ -14,17 +14,20 @@ pub enum Op {
     Rope,
     CrossEntropy,
     FusedLinearCrossEntropy,
+    /// Matmul and `linear` through the vendor BLAS (cuBLASLt on CUDA).
+    Matmul,
 }
 
 impl Op {
     /// Every switchable op.
-    pub const ALL: [Op; 6] = [
+    pub const ALL: [Op; 7] = [
         Op::RmsNorm,
         Op::SwiGlu,
         Op::Geglu,
         Op::Rope,
         Op::CrossEntropy,
         Op::FusedLinearCrossEntropy,
+        Op::Matmul,
     ];
 
     fn bit(self) -> u32 {
@@ -40,6 +43,7 @@ impl Op {
             Op::Rope => "rope",
             Op::CrossEntropy => "cross_entropy",
             Op::FusedLinearCrossEntropy => "fused_linear_cross_entropy",
+            Op::Matmul => "matmul",
         }
     }
 }
@@ -62,6 +66,9 @@ pub struct Patches {
     pub cross_entropy: bool,
     /// Linear layer + cross-entropy without materialized logits.
     pub fused_linear_cross_entropy: bool,
+    /// Matmul and `linear` on cuBLASLt (CUDA; elsewhere the inner
+    /// backend's matmul either way).
+    pub matmul: bool,
 }
 
 impl Default for Patches {
@@ -84,6 +91,7 @@ impl Patches {
             rope: on,
             cross_entropy: on,
             fused_linear_cross_entropy: on,
+            matmul: on,
         }
     }
 
@@ -95,6 +103,7 @@ impl Patches {
             (self.rope, Op::Rope),
             (self.cross_entropy, Op::CrossEntropy),
             (self.fused_linear_cross_entropy, Op::FusedLinearCrossEntropy),
+            (self.matmul, Op::Matmul),
         ]
         .into_iter()
         .filter(|(on, _)| *on)

@@ -7,10 +7,13 @@
 //! integration lives one layer up, in the `bastile` crate.
 
 pub mod cross_entropy;
+#[cfg(feature = "cuda")]
+pub mod cublaslt;
 pub mod dtype;
 pub mod elementwise;
 pub mod error;
 pub mod geglu;
+pub mod gemm_layout;
 pub mod launch;
 pub mod reduce;
 pub mod reference;

@@ -5,6 +5,7 @@
 mod copy;
 mod flce;
 mod geglu;
+mod matmul;
 mod passes;
 mod report;
 mod rms_norm;
@@ -27,6 +28,7 @@ pub enum OpName {
     Geglu,
     Rope,
     Flce,
+    Matmul,
 }
 
 #[derive(Parser, Debug)]
@@ -98,7 +100,7 @@ where
     let device = B::Device::default();
     // The loss benchmark reports flops and memory, not bandwidth, and its
     // memory readings must not include the copy test's buffers.
-    let copy_gbs = if args.op == Some(OpName::Flce) {
+    let copy_gbs = if matches!(args.op, Some(OpName::Flce | OpName::Matmul)) {
         f64::NAN
     } else {
         copy::measure_copy_bandwidth::<R>(&device, args.tiny, args.samples)
@@ -120,6 +122,9 @@ where
     }
     if wanted(OpName::Flce) {
         flce::bench::<R, B>(&device, args, &mut report);
+    }
+    if wanted(OpName::Matmul) {
+        matmul::bench::<B>(&device, args, &mut report);
     }
     report
 }

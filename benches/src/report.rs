@@ -49,6 +49,16 @@ pub struct FlceRow {
     pub inputs_mib: f64,
 }
 
+/// One matmul measurement.
+#[derive(Clone, Debug, Serialize)]
+pub struct MatmulRow {
+    pub shape: String,
+    pub dtype: String,
+    pub implementation: String,
+    pub ms: f64,
+    pub tflops: f64,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
     pub runtime: String,
@@ -58,6 +68,7 @@ pub struct Report {
     pub copy_gb_per_s: f64,
     pub rows: Vec<Row>,
     pub flce: Vec<FlceRow>,
+    pub matmul: Vec<MatmulRow>,
 }
 
 impl Report {
@@ -69,6 +80,7 @@ impl Report {
             copy_gb_per_s,
             rows: Vec::new(),
             flce: Vec::new(),
+            matmul: Vec::new(),
         }
     }
 
@@ -131,6 +143,29 @@ impl Report {
         }
         if !self.flce.is_empty() {
             s += &self.flce_markdown();
+        }
+        if !self.matmul.is_empty() {
+            s += &self.matmul_markdown();
+        }
+        s
+    }
+
+    /// The matmul table, each row against Burn's own matmul.
+    fn matmul_markdown(&self) -> String {
+        let mut s = String::from(
+            "\nMatmul:\n\n| shape (batch×M×K×N) | dtype | implementation | ms | TFLOP/s | speedup |\n|---|---|---|---:|---:|---:|\n",
+        );
+        for r in &self.matmul {
+            let speedup = self
+                .matmul
+                .iter()
+                .find(|o| o.shape == r.shape && o.dtype == r.dtype && o.implementation == "burn")
+                .map(|b| format!("{:.2}×", b.ms / r.ms))
+                .unwrap_or_default();
+            s += &format!(
+                "| {} | {} | {} | {:.3} | {:.1} | {speedup} |\n",
+                r.shape, r.dtype, r.implementation, r.ms, r.tflops
+            );
         }
         s
     }

@@ -16,6 +16,7 @@ const GPU_TESTS: &[&str] = &[
     "geglu",
     "rope",
     "cross_entropy",
+    "matmul",
     "hf_parity",
     "training",
 ];

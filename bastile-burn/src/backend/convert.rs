@@ -2,8 +2,8 @@
 //! `B`'s type to `Bastile<B>`'s. The fields are the same primitives: these
 //! are moves, not copies.
 
+use crate::kernels::KernelBackend;
 use burn::tensor::TensorPrimitive;
-use burn::tensor::backend::Backend;
 use burn::tensor::ops::{
     DeformConv2dBackward, MaxPool1dBackward, MaxPool1dWithIndices, MaxPool2dBackward,
     MaxPool2dWithIndices,
@@ -11,45 +11,45 @@ use burn::tensor::ops::{
 
 use super::Bastile;
 
-pub(super) fn prim_out<B: Backend>(p: TensorPrimitive<B>) -> TensorPrimitive<Bastile<B>> {
+pub(super) fn prim_out<B: KernelBackend>(p: TensorPrimitive<B>) -> TensorPrimitive<Bastile<B>> {
     match p {
         TensorPrimitive::Float(t) => TensorPrimitive::Float(t),
         TensorPrimitive::QFloat(t) => TensorPrimitive::QFloat(t),
     }
 }
 
-pub(super) fn prim_in<B: Backend>(p: TensorPrimitive<Bastile<B>>) -> TensorPrimitive<B> {
+pub(super) fn prim_in<B: KernelBackend>(p: TensorPrimitive<Bastile<B>>) -> TensorPrimitive<B> {
     match p {
         TensorPrimitive::Float(t) => TensorPrimitive::Float(t),
         TensorPrimitive::QFloat(t) => TensorPrimitive::QFloat(t),
     }
 }
 
-pub(super) fn pool1d_indices_out<B: Backend>(
+pub(super) fn pool1d_indices_out<B: KernelBackend>(
     p: MaxPool1dWithIndices<B>,
 ) -> MaxPool1dWithIndices<Bastile<B>> {
     MaxPool1dWithIndices::new(p.output, p.indices)
 }
 
-pub(super) fn pool2d_indices_out<B: Backend>(
+pub(super) fn pool2d_indices_out<B: KernelBackend>(
     p: MaxPool2dWithIndices<B>,
 ) -> MaxPool2dWithIndices<Bastile<B>> {
     MaxPool2dWithIndices::new(p.output, p.indices)
 }
 
-pub(super) fn pool1d_backward_out<B: Backend>(
+pub(super) fn pool1d_backward_out<B: KernelBackend>(
     p: MaxPool1dBackward<B>,
 ) -> MaxPool1dBackward<Bastile<B>> {
     MaxPool1dBackward::new(p.x_grad)
 }
 
-pub(super) fn pool2d_backward_out<B: Backend>(
+pub(super) fn pool2d_backward_out<B: KernelBackend>(
     p: MaxPool2dBackward<B>,
 ) -> MaxPool2dBackward<Bastile<B>> {
     MaxPool2dBackward::new(p.x_grad)
 }
 
-pub(super) fn deform_conv2d_backward_out<B: Backend>(
+pub(super) fn deform_conv2d_backward_out<B: KernelBackend>(
     p: DeformConv2dBackward<B>,
 ) -> DeformConv2dBackward<Bastile<B>> {
     DeformConv2dBackward::new(

@@ -6,7 +6,7 @@
 
 #![allow(clippy::too_many_arguments)]
 
-use burn::tensor::backend::{Backend, ExecutionError};
+use burn::tensor::backend::ExecutionError;
 use burn::tensor::ops::*;
 use burn::tensor::quantization::{QuantScheme, QuantizationParametersPrimitive};
 use burn::tensor::{
@@ -17,8 +17,9 @@ use burn_backend::tensor::IndexingUpdateOp;
 use burn_std::BoolDType;
 use core::ops::Range;
 
-use super::Bastile;
 use super::convert::*;
+use super::{Bastile, matmul};
+use crate::kernels::KernelBackend;
 
 /// Emits `fn name(args) -> Ret { B::name(args) }` for each listed signature;
 /// `=> conv` converts a result that is a struct generic over the backend.
@@ -34,7 +35,11 @@ macro_rules! forward_ops {
     (@call $name:ident($($arg:ident),*) $conv:ident) => { $conv::<B>(B::$name($($arg),*)) };
 }
 
-impl<B: Backend> FloatTensorOps<Self> for Bastile<B> {
+impl<B: KernelBackend> FloatTensorOps<Self> for Bastile<B> {
+    fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        matmul::matmul::<B>(lhs, rhs)
+    }
+
     forward_ops! {
         fn float_from_data(data: TensorData, device: &Device<Self>) -> FloatTensor<Self>;
         fn float_random(shape: Shape, distribution: Distribution, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self>;
@@ -60,7 +65,6 @@ impl<B: Backend> FloatTensorOps<Self> for Bastile<B> {
         fn float_div_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self>;
         fn float_remainder(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self>;
         fn float_remainder_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self>;
-        fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self>;
         fn float_cross(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, dim: usize) -> FloatTensor<Self>;
         fn float_neg(tensor: FloatTensor<Self>) -> FloatTensor<Self>;
         fn float_recip(tensor: FloatTensor<Self>) -> FloatTensor<Self>;
@@ -163,7 +167,7 @@ impl<B: Backend> FloatTensorOps<Self> for Bastile<B> {
     }
 }
 
-impl<B: Backend> IntTensorOps<Self> for Bastile<B> {
+impl<B: KernelBackend> IntTensorOps<Self> for Bastile<B> {
     forward_ops! {
         fn int_empty(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self>;
         fn int_into_data(tensor: IntTensor<Self>) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send;
@@ -272,7 +276,7 @@ impl<B: Backend> IntTensorOps<Self> for Bastile<B> {
     }
 }
 
-impl<B: Backend> BoolTensorOps<Self> for Bastile<B> {
+impl<B: KernelBackend> BoolTensorOps<Self> for Bastile<B> {
     forward_ops! {
         fn bool_empty(shape: Shape, device: &Device<Self>, dtype: BoolDType) -> BoolTensor<Self>;
         fn bool_zeros(shape: Shape, device: &Device<Self>, dtype: BoolDType) -> BoolTensor<Self>;
@@ -316,13 +320,32 @@ impl<B: Backend> BoolTensorOps<Self> for Bastile<B> {
     }
 }
 
-impl<B: Backend> ModuleOps<Self> for Bastile<B> {
+impl<B: KernelBackend> ModuleOps<Self> for Bastile<B> {
+    fn linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        matmul::linear::<B>(x, weight, bias)
+    }
+
+    fn linear_x_backward(
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        matmul::linear_x_backward::<B>(weight, output_grad)
+    }
+
+    fn linear_weight_backward(
+        x: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        matmul::linear_weight_backward::<B>(x, output_grad)
+    }
+
     forward_ops! {
         fn embedding(weights: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self>;
         fn embedding_backward(weights: FloatTensor<Self>, output_grad: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self>;
-        fn linear(x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: Option<FloatTensor<Self>>) -> FloatTensor<Self>;
-        fn linear_x_backward(weight: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self>;
-        fn linear_weight_backward(x: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self>;
         fn linear_bias_backward(output_grad: FloatTensor<Self>) -> FloatTensor<Self>;
         fn conv1d(x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: Option<FloatTensor<Self>>, options: ConvOptions<1>) -> FloatTensor<Self>;
         fn conv1d_x_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvOptions<1>) -> FloatTensor<Self>;
@@ -377,7 +400,7 @@ impl<B: Backend> ModuleOps<Self> for Bastile<B> {
     }
 }
 
-impl<B: Backend> ActivationOps<Self> for Bastile<B> {
+impl<B: KernelBackend> ActivationOps<Self> for Bastile<B> {
     forward_ops! {
         fn leaky_relu(tensor: FloatTensor<Self>, negative_slope: Scalar) -> FloatTensor<Self>;
         fn relu(tensor: FloatTensor<Self>) -> FloatTensor<Self>;
@@ -396,7 +419,7 @@ impl<B: Backend> ActivationOps<Self> for Bastile<B> {
     }
 }
 
-impl<B: Backend> QTensorOps<Self> for Bastile<B> {
+impl<B: KernelBackend> QTensorOps<Self> for Bastile<B> {
     forward_ops! {
         fn q_from_data(data: TensorData, device: &Device<Self>) -> QuantizedTensor<Self>;
         fn quantize_dynamic(tensor: FloatTensor<Self>, scheme: &QuantScheme) -> QuantizedTensor<Self>;
@@ -497,7 +520,7 @@ impl<B: Backend> QTensorOps<Self> for Bastile<B> {
     }
 }
 
-impl<B: Backend> TransactionOps<Self> for Bastile<B> {
+impl<B: KernelBackend> TransactionOps<Self> for Bastile<B> {
     forward_ops! {}
 
     fn tr_execute(

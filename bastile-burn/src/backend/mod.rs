@@ -7,11 +7,14 @@
 
 mod convert;
 mod forward;
+mod matmul;
 
 use core::marker::PhantomData;
 
 use burn::tensor::backend::{Backend, BackendTypes, DTypeUsageSet, ExecutionError};
 use burn::tensor::{DType, TensorData};
+
+use crate::kernels::KernelBackend;
 
 /// The Bastile backend decorator: `B` with fused training kernels.
 ///
@@ -36,7 +39,7 @@ impl<B: Backend> BackendTypes for Bastile<B> {
     type QuantizedTensorPrimitive = B::QuantizedTensorPrimitive;
 }
 
-impl<B: Backend> Backend for Bastile<B> {
+impl<B: KernelBackend> Backend for Bastile<B> {
     fn ad_enabled(device: &Self::Device) -> bool {
         B::ad_enabled(device)
     }

@@ -10,7 +10,7 @@ use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
-use super::KernelBackend;
+use super::{KernelBackend, matmul_shape};
 use crate::RmsNormCast;
 use crate::ops::cross_entropy::LossSpec;
 use crate::ops::linear_cross_entropy::LinearGrads;
@@ -277,6 +277,26 @@ impl<B: FusionBackend + KernelBackend> KernelBackend for Fusion<B> {
         });
         let k = if has_k { out.pop() } else { None };
         (out.pop().expect("q output"), k)
+    }
+
+    fn matmul_supported(device: &Device<Self>, dtype: DType) -> bool {
+        B::matmul_supported(device, dtype)
+    }
+
+    fn matmul_kernel(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        let outputs = vec![(matmul_shape(&lhs.shape, &rhs.shape), lhs.dtype)];
+        let has_bias = bias.is_some();
+        let inputs = [lhs, rhs].into_iter().chain(bias).collect();
+        let mut out = record::<B>("bastile_matmul", inputs, outputs, move |mut i| {
+            let bias = has_bias.then(|| i.pop().expect("bias input"));
+            let rhs = i.pop().expect("rhs input");
+            vec![B::matmul_kernel(i.pop().expect("lhs input"), rhs, bias)]
+        });
+        out.pop().expect("one output")
     }
 
     fn cross_entropy_supported(device: &Device<Self>, dtype: DType) -> bool {

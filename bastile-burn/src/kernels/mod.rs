@@ -11,7 +11,7 @@ mod fusion;
 use burn::backend::NdArray;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{DType, Device};
+use burn::tensor::{DType, Device, Shape};
 
 use crate::RmsNormCast;
 use crate::ops::cross_entropy::LossSpec;
@@ -94,6 +94,23 @@ pub trait KernelBackend: Backend {
         unreachable!("rope_kernel called on a backend that does not support it")
     }
 
+    /// Whether [`Self::matmul_kernel`] runs on a vendor BLAS (cuBLASLt) for
+    /// `dtype` on `device`.
+    fn matmul_supported(_device: &Device<Self>, _dtype: DType) -> bool {
+        false
+    }
+
+    /// `lhs · rhs` (Burn's `float_matmul` semantics: equal ranks, batch
+    /// dimensions broadcast), plus `bias` `[N]` added to every row when
+    /// given. Problems the BLAS declines take the backend's own matmul.
+    fn matmul_kernel(
+        _lhs: FloatTensor<Self>,
+        _rhs: FloatTensor<Self>,
+        _bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        unreachable!("matmul_kernel called on a backend that does not support it")
+    }
+
     /// Whether the cross-entropy kernel takes logits of `dtype` on `device`.
     fn cross_entropy_supported(_device: &Device<Self>, _dtype: DType) -> bool {
         false
@@ -155,6 +172,14 @@ pub trait KernelBackend: Backend {
 }
 
 impl KernelBackend for NdArray {}
+
+/// The shape of `lhs · rhs`: broadcast batch dimensions, then `[M, N]`.
+pub fn matmul_shape(lhs: &Shape, rhs: &Shape) -> Shape {
+    let d = lhs.num_dims();
+    let mut dims: Vec<usize> = (0..d - 2).map(|i| lhs[i].max(rhs[i])).collect();
+    dims.extend([lhs[d - 2], rhs[d - 1]]);
+    Shape::from(dims)
+}
 
 /// The kernel dtype for a Burn dtype, if the kernels are built for it.
 pub fn kernel_dtype(dtype: DType) -> Option<bastile_cubecl::FloatDtype> {

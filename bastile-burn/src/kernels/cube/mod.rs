@@ -5,6 +5,7 @@
 mod cross_entropy;
 mod geglu;
 mod linear_cross_entropy;
+mod matmul;
 mod rms_norm;
 mod rope;
 mod swiglu;
@@ -166,6 +167,18 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KernelBack
         options: RopeOptions,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         rope::rope(q, k, cos, sin, options)
+    }
+
+    fn matmul_supported(device: &Device<Self>, dtype: DType) -> bool {
+        matmul::supported::<R>(device, dtype)
+    }
+
+    fn matmul_kernel(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        matmul::matmul::<R, F, I, BT>(lhs, rhs, bias)
     }
 
     fn cross_entropy_supported(device: &Device<Self>, dtype: DType) -> bool {

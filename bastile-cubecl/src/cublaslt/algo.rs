@@ -1,0 +1,270 @@
+//! cuBLASLt descriptors for one planned call, and the algorithm the
+//! heuristic picks for it (cached: the query costs tens of microseconds).
+
+use core::ffi::c_void;
+
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys::{
+    cublasComputeType_t, cublasLtEpilogue_t, cublasLtMatmulAlgo_t, cublasLtMatmulDesc_t,
+    cublasLtMatmulDescAttributes_t as DescAttr, cublasLtMatmulPreference_t,
+    cublasLtMatmulPreferenceAttributes_t as PrefAttr, cublasLtMatrixLayout_t,
+    cublasLtMatrixLayoutAttribute_t as LayoutAttr, cudaDataType,
+};
+
+use super::device::{DeviceState, WORKSPACE_BYTES};
+use crate::FloatDtype;
+use crate::KernelError;
+use crate::gemm_layout::{BlasOperand, GemmPlan};
+
+/// Everything the heuristic's choice depends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AlgoKey {
+    pub dtype: FloatDtype,
+    pub tf32: bool,
+    pub a: BlasOperand,
+    pub b: BlasOperand,
+    pub mnk: [usize; 3],
+    pub ldd: usize,
+    pub d_batch_stride: usize,
+    pub batch: usize,
+    pub bias: bool,
+    /// Pointer alignments in bytes of A, B, D (and the bias).
+    pub align: [u32; 4],
+}
+
+fn cuda_type(dtype: FloatDtype) -> cudaDataType {
+    match dtype {
+        FloatDtype::F32 => cudaDataType::CUDA_R_32F,
+        FloatDtype::F16 => cudaDataType::CUDA_R_16F,
+        FloatDtype::BF16 => cudaDataType::CUDA_R_16BF,
+    }
+}
+
+/// The largest power of two (up to 256, cuBLASLt's default assumption)
+/// dividing the address.
+pub fn alignment(ptr: u64) -> u32 {
+    if ptr == 0 {
+        256
+    } else {
+        1u32 << ptr.trailing_zeros().min(8)
+    }
+}
+
+fn lt_err(what: &'static str) -> impl Fn(cudarc::cublaslt::result::CublasError) -> KernelError {
+    move |e| KernelError::Launch(format!("cuBLASLt {what}: {e:?}"))
+}
+
+/// The descriptors of one call, destroyed on drop.
+pub struct Descriptors {
+    pub desc: cublasLtMatmulDesc_t,
+    pub a: cublasLtMatrixLayout_t,
+    pub b: cublasLtMatrixLayout_t,
+    pub d: cublasLtMatrixLayout_t,
+    pref: cublasLtMatmulPreference_t,
+}
+
+impl Drop for Descriptors {
+    fn drop(&mut self) {
+        // SAFETY: each was created by `Descriptors::new` and is destroyed once.
+        unsafe {
+            let _ = lt::destroy_matmul_pref(self.pref);
+            let _ = lt::destroy_matrix_layout(self.d);
+            let _ = lt::destroy_matrix_layout(self.b);
+            let _ = lt::destroy_matrix_layout(self.a);
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+unsafe fn set_desc<T>(
+    desc: cublasLtMatmulDesc_t,
+    attr: DescAttr,
+    value: &T,
+) -> Result<(), KernelError> {
+    unsafe {
+        lt::set_matmul_desc_attribute(
+            desc,
+            attr,
+            value as *const T as *const c_void,
+            size_of::<T>(),
+        )
+    }
+    .map_err(lt_err("matmul attribute"))
+}
+
+unsafe fn set_layout<T>(
+    layout: cublasLtMatrixLayout_t,
+    attr: LayoutAttr,
+    value: &T,
+) -> Result<(), KernelError> {
+    unsafe {
+        lt::set_matrix_layout_attribute(
+            layout,
+            attr,
+            value as *const T as *const c_void,
+            size_of::<T>(),
+        )
+    }
+    .map_err(lt_err("layout attribute"))
+}
+
+unsafe fn set_pref<T>(
+    pref: cublasLtMatmulPreference_t,
+    attr: PrefAttr,
+    value: &T,
+) -> Result<(), KernelError> {
+    unsafe {
+        lt::set_matmul_pref_attribute(
+            pref,
+            attr,
+            value as *const T as *const c_void,
+            size_of::<T>(),
+        )
+    }
+    .map_err(lt_err("preference"))
+}
+
+fn layout(
+    dtype: cudaDataType,
+    op: &BlasOperand,
+    batch: usize,
+) -> Result<cublasLtMatrixLayout_t, KernelError> {
+    let l = lt::create_matrix_layout(dtype, op.rows as u64, op.cols as u64, op.ld as i64)
+        .map_err(lt_err("layout"))?;
+    if batch > 1 {
+        // SAFETY: `l` is a live layout.
+        unsafe {
+            set_layout(
+                l,
+                LayoutAttr::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                &(batch as i32),
+            )?;
+            set_layout(
+                l,
+                LayoutAttr::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                &(op.batch_stride as i64),
+            )?;
+        }
+    }
+    Ok(l)
+}
+
+impl Descriptors {
+    /// Descriptors for `key`; `bias` is the bias vector's address (the
+    /// pointer is part of the matmul descriptor).
+    pub fn new(key: &AlgoKey, bias: Option<u64>) -> Result<Self, KernelError> {
+        let compute = match (key.dtype, key.tf32) {
+            (FloatDtype::F32, true) => cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+            _ => cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        };
+        let desc = lt::create_matmul_desc(compute, cudaDataType::CUDA_R_32F)
+            .map_err(lt_err("matmul desc"))?;
+        let dtype = cuda_type(key.dtype);
+        let [m, n, _] = key.mnk;
+        let d_op = BlasOperand {
+            transposed: false,
+            rows: m,
+            cols: n,
+            ld: key.ldd,
+            batch_stride: key.d_batch_stride,
+        };
+        // Built one by one so an error still destroys what exists.
+        let mut this = Self {
+            desc,
+            a: core::ptr::null_mut(),
+            b: core::ptr::null_mut(),
+            d: core::ptr::null_mut(),
+            pref: core::ptr::null_mut(),
+        };
+        this.a = layout(dtype, &key.a, key.batch)?;
+        this.b = layout(dtype, &key.b, key.batch)?;
+        this.d = layout(dtype, &d_op, key.batch)?;
+        this.pref = lt::create_matmul_pref().map_err(lt_err("preference"))?;
+        let op = |t: bool| if t { 1i32 } else { 0i32 }; // CUBLAS_OP_T / CUBLAS_OP_N
+        // SAFETY: every descriptor is live; values have the attribute's type.
+        unsafe {
+            set_desc(
+                desc,
+                DescAttr::CUBLASLT_MATMUL_DESC_TRANSA,
+                &op(key.a.transposed),
+            )?;
+            set_desc(
+                desc,
+                DescAttr::CUBLASLT_MATMUL_DESC_TRANSB,
+                &op(key.b.transposed),
+            )?;
+            if let Some(ptr) = bias {
+                set_desc(
+                    desc,
+                    DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                    &cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
+                )?;
+                set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr)?;
+            }
+            set_pref(
+                this.pref,
+                PrefAttr::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &(WORKSPACE_BYTES as u64),
+            )?;
+            let [a, b, d, _] = key.align;
+            set_pref(
+                this.pref,
+                PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                &a,
+            )?;
+            set_pref(
+                this.pref,
+                PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                &b,
+            )?;
+            set_pref(
+                this.pref,
+                PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                &d,
+            )?;
+            set_pref(
+                this.pref,
+                PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                &d,
+            )?;
+        }
+        Ok(this)
+    }
+
+    /// The heuristic's algorithm for `key` (cached per device); `None` when
+    /// cuBLASLt has none for it.
+    pub fn algo(&self, device: &mut DeviceState, key: &AlgoKey) -> Option<cublasLtMatmulAlgo_t> {
+        *device.algos.entry(*key).or_insert_with(|| {
+            // SAFETY: all descriptors are live.
+            unsafe {
+                lt::get_matmul_algo_heuristic(
+                    device.handle,
+                    self.desc,
+                    self.a,
+                    self.b,
+                    self.d,
+                    self.d,
+                    self.pref,
+                )
+            }
+            .ok()
+            .map(|h| h.algo)
+        })
+    }
+}
+
+/// The key of one planned call.
+pub fn key(plan: &GemmPlan, dtype: FloatDtype, tf32: bool, bias: bool, align: [u32; 4]) -> AlgoKey {
+    AlgoKey {
+        dtype,
+        tf32: tf32 && dtype == FloatDtype::F32,
+        a: plan.a,
+        b: plan.b,
+        mnk: [plan.m, plan.n, plan.k],
+        ldd: plan.ldd,
+        d_batch_stride: plan.d_batch_stride,
+        batch: plan.batch,
+        bias,
+        align,
+    }
+}

@@ -1,0 +1,92 @@
+//! What cuBLASLt needs per CUDA device, created on first use and kept for
+//! the process: the library handle, a stream of our own, a workspace and
+//! the algorithms chosen so far.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys::{cublasLtHandle_t, cublasLtMatmulAlgo_t};
+use cudarc::driver::result as drv;
+use cudarc::driver::sys::{CUcontext, CUdeviceptr, CUstream};
+
+use super::algo::AlgoKey;
+use crate::KernelError;
+
+/// 32 MiB: what NVIDIA recommends for Hopper's cuBLASLt kernels.
+pub const WORKSPACE_BYTES: usize = 32 << 20;
+
+pub struct DeviceState {
+    pub ctx: CUcontext,
+    pub handle: cublasLtHandle_t,
+    pub stream: CUstream,
+    pub workspace: CUdeviceptr,
+    /// `None`: the heuristic found no algorithm for this problem.
+    pub algos: HashMap<AlgoKey, Option<cublasLtMatmulAlgo_t>>,
+}
+
+// SAFETY: the raw CUDA handles are only used while the `DEVICES` lock is
+// held, from whichever thread holds it; cuBLASLt handles and CUDA streams
+// may be used from any thread of the process.
+unsafe impl Send for DeviceState {}
+
+impl DeviceState {
+    fn new(index: usize) -> Result<Self, KernelError> {
+        let err = |what: &str, e: &dyn std::fmt::Debug| {
+            KernelError::Unsupported(format!("cuBLASLt on CUDA device {index}: {what}: {e:?}"))
+        };
+        // SAFETY: `is_culib_present` only tries to open the library.
+        if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
+            return Err(KernelError::Unsupported(
+                "libcublasLt was not found (add the CUDA libraries to LD_LIBRARY_PATH)".into(),
+            ));
+        }
+        drv::init().map_err(|e| err("driver init", &e))?;
+        let device = drv::device::get(index as i32).map_err(|e| err("device", &e))?;
+        // SAFETY: `device` is valid; the primary context is the one CubeCL
+        // uses, retained once more for this process's lifetime.
+        let ctx = unsafe { drv::primary_ctx::retain(device) }.map_err(|e| err("context", &e))?;
+        // SAFETY: `ctx` was just retained.
+        unsafe { drv::ctx::set_current(ctx) }.map_err(|e| err("context", &e))?;
+        let handle = lt::create_handle().map_err(|e| err("handle", &e))?;
+        let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking)
+            .map_err(|e| err("stream", &e))?;
+        // SAFETY: a plain device allocation, freed never (process lifetime).
+        let workspace =
+            unsafe { drv::malloc_sync(WORKSPACE_BYTES) }.map_err(|e| err("workspace", &e))?;
+        Ok(Self {
+            ctx,
+            handle,
+            stream,
+            workspace,
+            algos: HashMap::new(),
+        })
+    }
+
+    /// Makes this device's context current on the calling thread.
+    pub fn make_current(&self) -> Result<(), KernelError> {
+        // SAFETY: `ctx` is retained for the process's lifetime.
+        unsafe { drv::ctx::set_current(self.ctx) }
+            .map_err(|e| KernelError::Launch(format!("cuCtxSetCurrent: {e:?}")))
+    }
+}
+
+/// Per device ordinal; `Err` remembers why a device cannot use cuBLASLt so
+/// the check is not repeated.
+static DEVICES: Mutex<Vec<Option<Result<DeviceState, KernelError>>>> = Mutex::new(Vec::new());
+
+/// Runs `f` with the device's state, creating it on first use.
+pub fn with_device<T>(
+    index: usize,
+    f: impl FnOnce(&mut DeviceState) -> Result<T, KernelError>,
+) -> Result<T, KernelError> {
+    let mut devices = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
+    if devices.len() <= index {
+        devices.resize_with(index + 1, || None);
+    }
+    let slot = devices[index].get_or_insert_with(|| DeviceState::new(index));
+    match slot {
+        Ok(state) => f(state),
+        Err(e) => Err(e.clone()),
+    }
+}

@@ -1,0 +1,142 @@
+//! Matmuls through cuBLASLt on CubeCL's CUDA buffers.
+//!
+//! The operands are CubeCL handles; their device addresses come from
+//! `ComputeClient::get_resource`, which also keeps the memory alive while
+//! the call runs. The library, a workspace and the chosen algorithms are
+//! kept per device ([`device`]). cuBLASLt runs on a stream of its own,
+//! ordered against CubeCL's stream by [`order`].
+
+mod algo;
+mod device;
+mod order;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::ComputeClient;
+use cubecl::server::Handle;
+use cudarc::cublaslt::result as lt;
+
+use crate::gemm_layout::GemmPlan;
+use crate::{FloatDtype, KernelError};
+
+pub use order::{OrderMode, order_mode};
+
+static TF32: AtomicBool = AtomicBool::new(false);
+
+/// Lets f32 matmuls use TF32 tensor cores (10-bit mantissa products);
+/// off by default, so f32 stays f32.
+pub fn set_tf32(allow: bool) {
+    TF32.store(allow, Ordering::SeqCst);
+}
+
+/// Whether f32 matmuls may use TF32.
+pub fn tf32() -> bool {
+    TF32.load(Ordering::SeqCst)
+}
+
+/// Whether cuBLASLt can be used on CUDA device `index` (the library loads
+/// and the device initializes); the answer is cached.
+pub fn available(index: usize) -> bool {
+    device::with_device(index, |_| Ok(())).is_ok()
+}
+
+/// The buffers of one matmul: `out = lhs · rhs (+ bias)`, laid out as
+/// `plan` says, all of `dtype`; `bias` has one value per output column.
+pub struct GemmBuffers<'a> {
+    pub lhs: &'a Handle,
+    pub rhs: &'a Handle,
+    pub bias: Option<&'a Handle>,
+    pub out: &'a Handle,
+}
+
+/// Runs `plan` on CUDA device `index` with cuBLASLt. `Err(Unsupported)`
+/// when cuBLASLt has no algorithm for it (nothing was written: the caller
+/// can take another path).
+pub fn gemm(
+    client: &ComputeClient<CudaRuntime>,
+    index: usize,
+    dtype: FloatDtype,
+    plan: &GemmPlan,
+    buffers: GemmBuffers<'_>,
+) -> Result<(), KernelError> {
+    if plan.m == 0 || plan.n == 0 || plan.calls.is_empty() {
+        return Ok(());
+    }
+    if plan.k == 0 {
+        return Err(KernelError::Unsupported("matmul with K = 0".into()));
+    }
+    let resource = |h: &Handle| {
+        client
+            .get_resource(h.clone())
+            .map_err(|e| KernelError::Launch(format!("buffer address: {e:?}")))
+    };
+    let lhs = resource(buffers.lhs)?;
+    let rhs = resource(buffers.rhs)?;
+    let out = resource(buffers.out)?;
+    let bias = buffers.bias.map(resource).transpose()?;
+    let (lhs_ptr, rhs_ptr, out_ptr) = (lhs.resource().ptr, rhs.resource().ptr, out.resource().ptr);
+    let bias_ptr = bias.as_ref().map(|b| b.resource().ptr);
+
+    // The alignment every matrix of every call shares.
+    let elem = dtype.size() as u64;
+    let align_of = |base: u64, slot: usize, batch_stride: usize| {
+        plan.calls
+            .iter()
+            .map(|c| algo::alignment(base + c[slot] as u64 * elem))
+            .chain((plan.batch > 1).then(|| algo::alignment(batch_stride as u64 * elem)))
+            .min()
+            .unwrap_or(256)
+    };
+    let align = [
+        align_of(rhs_ptr, 1, plan.a.batch_stride),
+        align_of(lhs_ptr, 0, plan.b.batch_stride),
+        align_of(out_ptr, 2, plan.d_batch_stride),
+        bias_ptr.map_or(256, algo::alignment),
+    ];
+    let key = algo::key(plan, dtype, tf32(), bias_ptr.is_some(), align);
+
+    device::with_device(index, |dev| {
+        dev.make_current()?;
+        let desc = algo::Descriptors::new(&key, bias_ptr)?;
+        let algo = desc.algo(dev, &key).ok_or_else(|| {
+            KernelError::Unsupported(format!("cuBLASLt has no algorithm for {key:?}"))
+        })?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        order::ordered(client, dev, |stream| {
+            for call in &plan.calls {
+                let a = rhs_ptr + call[1] as u64 * elem;
+                let b = lhs_ptr + call[0] as u64 * elem;
+                let d = out_ptr + call[2] as u64 * elem;
+                // SAFETY: the addresses are live CubeCL buffers (held by
+                // the resources above) whose extents the plan respects;
+                // `order::ordered` orders the call against CubeCL's stream.
+                unsafe {
+                    lt::matmul(
+                        dev.handle,
+                        desc.desc,
+                        &alpha as *const f32 as *const _,
+                        &beta as *const f32 as *const _,
+                        a as *const _,
+                        desc.a,
+                        b as *const _,
+                        desc.b,
+                        d as *const _,
+                        desc.d,
+                        d as *mut _,
+                        desc.d,
+                        &algo,
+                        dev.workspace as *mut _,
+                        device::WORKSPACE_BYTES,
+                        stream as _,
+                    )
+                }
+                .map_err(|e| KernelError::Launch(format!("cublasLtMatmul: {e:?}")))?;
+            }
+            Ok(())
+        })
+    })?;
+    // The resources (and with them the buffers) are released only now.
+    drop((lhs, rhs, out, bias));
+    Ok(())
+}
