@@ -74,6 +74,17 @@ pub fn allow_tf32(allow: bool) {
     let _ = allow;
 }
 
+/// Orders cuBLASLt matmuls by host synchronization around a stream of
+/// their own instead of enqueuing them on CubeCL's stream (the default when
+/// that stream can be observed, which needs CUPTI). Slower; for comparison
+/// and debugging. `BASTILE_MATMUL_ORDER=host-sync` does the same.
+pub fn matmul_host_sync(force: bool) {
+    #[cfg(feature = "cuda")]
+    bastile_cubecl::cublaslt::force_host_sync(force);
+    #[cfg(not(feature = "cuda"))]
+    let _ = force;
+}
+
 /// Forgets the launch configurations autotuned in this process, so the
 /// next call of each op tunes again (CubeCL's on-disk cache is kept).
 pub fn clear_autotune_cache() {

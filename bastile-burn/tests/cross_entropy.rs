@@ -318,7 +318,15 @@ impl BackendTest for VocabulariesAndIgnored {
                 let what = format!("{name} {dtype:?} {s:?}");
                 eprintln!("case {what}");
                 let got = run_linear::<Bastile<B>>(&x, s, o, dtype, device);
-                compare(&what, &got, &exp, matmul_tol(dtype, name), seed);
+                // `dh` sums V products in f32; the rounding of a sum that
+                // long grows with √V (bf16/f16 bounds are set by the output
+                // rounding instead).
+                let long_sum = if dtype == DType::F32 {
+                    (v as f64 / 4096.0).sqrt()
+                } else {
+                    1.0
+                };
+                compare(&what, &got, &exp, matmul_tol(dtype, name) * long_sum, seed);
             }
             let s = Shape {
                 n: 7,

@@ -31,6 +31,11 @@ fn switches_turn_the_fused_path_on_and_off() {
         ..Patches::none()
     });
     assert_eq!(patched_ops(), vec![Op::Geglu]);
+    apply(Patches {
+        matmul: true,
+        ..Patches::none()
+    });
+    assert_eq!(patched_ops(), vec![Op::Matmul]);
     apply(Patches::none());
     assert!(patched_ops().is_empty());
     let names: Vec<String> = Op::ALL.iter().map(|op| op.to_string()).collect();
@@ -42,7 +47,8 @@ fn switches_turn_the_fused_path_on_and_off() {
             "geglu",
             "rope",
             "cross_entropy",
-            "fused_linear_cross_entropy"
+            "fused_linear_cross_entropy",
+            "matmul"
         ]
     );
     apply(Patches {

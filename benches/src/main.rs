@@ -12,6 +12,7 @@ mod rms_norm;
 mod rope;
 mod swiglu;
 mod timing;
+mod train;
 
 use clap::{Parser, ValueEnum};
 
@@ -54,6 +55,25 @@ pub struct Args {
     /// Timed repetitions per measurement (the median is reported).
     #[arg(long, default_value_t = 15)]
     pub samples: usize,
+    /// Train this model preset end to end (random weights, bf16, AdamW)
+    /// instead of benchmarking kernels, e.g. `qwen3-0.6b`.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// With `--model`: sequence lengths to sweep.
+    #[arg(long, value_delimiter = ',', default_value = "4096")]
+    pub seq: Vec<usize>,
+    /// With `--model`: batch sizes to sweep.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub batch: Vec<usize>,
+    /// With `--model`: only this implementation (all three when omitted).
+    #[arg(long = "impl", value_enum)]
+    pub implementation: Option<train::TrainImpl>,
+    /// With `--model`: timed training steps (after two warm-up steps).
+    #[arg(long, default_value_t = 5)]
+    pub steps: usize,
+    /// Internal: this process measures one training configuration.
+    #[arg(long, hide = true)]
+    pub child: bool,
 }
 
 fn main() {
@@ -98,6 +118,17 @@ where
     B: bastile::ops::KernelBackend + bastile::BastileBackend,
 {
     let device = B::Device::default();
+    if args.model.is_some() {
+        let mut report = report::Report::new(runtime, &B::name(&device), args.tiny, f64::NAN);
+        match args.implementation {
+            Some(imp) if args.child => {
+                train::run_child::<R, B>(&device, args, imp);
+                std::process::exit(0)
+            }
+            _ => train::sweep(args, &mut report),
+        }
+        return report;
+    }
     // The loss benchmark reports flops and memory, not bandwidth, and its
     // memory readings must not include the copy test's buffers.
     let copy_gbs = if matches!(args.op, Some(OpName::Flce | OpName::Matmul)) {

@@ -69,6 +69,7 @@ pub struct Report {
     pub rows: Vec<Row>,
     pub flce: Vec<FlceRow>,
     pub matmul: Vec<MatmulRow>,
+    pub train: Vec<crate::train::TrainRow>,
 }
 
 impl Report {
@@ -81,6 +82,7 @@ impl Report {
             rows: Vec::new(),
             flce: Vec::new(),
             matmul: Vec::new(),
+            train: Vec::new(),
         }
     }
 
@@ -116,7 +118,7 @@ impl Report {
 
     pub fn markdown(&self) -> String {
         let mut s = format!(
-            "Device: {} ({}){}; measured copy bandwidth {:.1} GB/s (read + write).\n\n",
+            "Device: {} ({}){}",
             self.device,
             self.runtime,
             if self.tiny {
@@ -124,6 +126,72 @@ impl Report {
             } else {
                 ""
             },
+        );
+        if self.rows.is_empty() {
+            s += ".\n";
+        } else {
+            s += &self.kernel_markdown();
+        }
+        if !self.flce.is_empty() {
+            s += &self.flce_markdown();
+        }
+        if !self.matmul.is_empty() {
+            s += &self.matmul_markdown();
+        }
+        if !self.train.is_empty() {
+            s += &self.train_markdown();
+        }
+        s
+    }
+
+    /// End-to-end training steps, each against Burn's at the same shape.
+    fn train_markdown(&self) -> String {
+        let mut s = String::from(
+            "\nTraining step (random weights, AdamW, one micro-batch; memory: reserved after the timed steps):\n\n",
+        );
+        s += "| model | batch | seq | dtype | implementation | ms/step | tokens/s | speedup | peak MiB | memory vs burn |\n";
+        s += "|---|---:|---:|---|---|---:|---:|---:|---:|---:|\n";
+        for r in &self.train {
+            let burn = self.train.iter().find(|o| {
+                o.model == r.model
+                    && o.batch == r.batch
+                    && o.seq == r.seq
+                    && o.implementation == "burn"
+            });
+            let ratio = |ours: Option<f64>, theirs: Option<f64>| match (ours, theirs) {
+                (Some(a), Some(b)) => format!("{:.2}×", b / a),
+                _ => String::new(),
+            };
+            let speedup = ratio(r.ms_per_step, burn.and_then(|b| b.ms_per_step));
+            let memory = match (r.peak_mib, burn.and_then(|b| b.peak_mib)) {
+                (Some(a), Some(b)) => format!("{:.2}", a / b),
+                _ => String::new(),
+            };
+            let num = |v: Option<f64>, digits: usize| {
+                v.map_or_else(
+                    || r.error.clone().unwrap_or_default(),
+                    |v| format!("{v:.digits$}"),
+                )
+            };
+            s += &format!(
+                "| {} | {} | {} | {} | {} | {} | {} | {speedup} | {} | {memory} |\n",
+                r.model,
+                r.batch,
+                r.seq,
+                r.dtype,
+                r.implementation,
+                num(r.ms_per_step, 1),
+                num(r.tokens_per_s, 0),
+                num(r.peak_mib, 0),
+            );
+        }
+        s
+    }
+
+    /// The per-op bandwidth table.
+    fn kernel_markdown(&self) -> String {
+        let mut s = format!(
+            "; measured copy bandwidth {:.1} GB/s (read + write).\n\n",
             self.copy_gb_per_s
         );
         s += "| op | shape | dtype | pass | implementation | ms | GB/s | % of copy | speedup |\n";
@@ -140,12 +208,6 @@ impl Report {
                 .map(|b| format!("{:.2}×", b.ms / row.ms))
                 .unwrap_or_default();
             s += &format!("| {} | {speedup} |\n", row.cells().join(" | "));
-        }
-        if !self.flce.is_empty() {
-            s += &self.flce_markdown();
-        }
-        if !self.matmul.is_empty() {
-            s += &self.matmul_markdown();
         }
         s
     }

@@ -6,6 +6,7 @@
 //! [`presets`] names the published sizes so nothing needs a download.
 
 pub mod attention;
+pub mod clip;
 pub mod config;
 mod error;
 mod hf;

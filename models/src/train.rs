@@ -4,13 +4,13 @@
 //! global norm and AdamW with a warmup + cosine learning-rate schedule.
 
 use bastile::{BastileBackend, CrossEntropyOptions, Reduction};
-use burn::grad_clipping::GradientClippingConfig;
 use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor};
 
+use crate::clip::clip_grad_norm;
 use crate::{CausalLm, ModelError};
 
 /// Optimizer and schedule settings (HF `TrainingArguments` names where
@@ -114,7 +114,6 @@ where
             .with_beta_2(config.adam_beta2)
             .with_epsilon(config.adam_epsilon)
             .with_weight_decay(config.weight_decay)
-            .with_grad_clipping(config.max_grad_norm.map(GradientClippingConfig::Norm))
             .init::<B, CausalLm<B>>();
         Ok(Self {
             config,
@@ -179,7 +178,11 @@ where
         let losses = Tensor::cat(losses, 0).into_data().convert::<f64>();
         let loss = losses.iter::<f64>().sum::<f64>();
         let lr = self.config.lr_at(self.step);
-        let model = self.optimizer.step(lr, model, accumulator.grads());
+        let grads = match self.config.max_grad_norm {
+            Some(max) => clip_grad_norm(&model, accumulator.grads(), max),
+            None => accumulator.grads(),
+        };
+        let model = self.optimizer.step(lr, model, grads);
         self.step += 1;
         Ok((
             model,

@@ -49,6 +49,9 @@ enum Cmd {
         /// Results file (JSON; Markdown is written beside it).
         #[arg(long)]
         out: Option<String>,
+        /// Further `bastile-bench` arguments, e.g. `-- --model qwen3-0.6b --seq 1024,4096`.
+        #[arg(last = true)]
+        rest: Vec<String>,
     },
     /// Build the CUDA test and benchmark binaries for a machine without Rust.
     DeviceBundle {
@@ -74,7 +77,8 @@ fn main() -> ExitCode {
             runtime,
             tiny,
             out,
-        } => bench(op, runtime, tiny, out),
+            rest,
+        } => bench(op, runtime, tiny, out, &rest),
         Cmd::DeviceBundle { out, only } => bundle::build(&out, &only),
     };
     match result {
@@ -120,6 +124,7 @@ fn bench(
     runtime: Option<String>,
     tiny: bool,
     out: Option<String>,
+    rest: &[String],
 ) -> Result<(), String> {
     let runtime = runtime.unwrap_or_else(|| {
         if setup::has_nvidia_gpu() {
@@ -158,6 +163,7 @@ fn bench(
     if let Some(op) = op {
         cmd.args(["--op", &op]);
     }
+    cmd.args(rest);
     setup::runtime_dir(&mut cmd);
     run(&mut cmd)
 }

@@ -19,7 +19,11 @@ use crate::gemm_layout::{BlasOperand, GemmPlan};
 /// Everything the heuristic's choice depends on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct AlgoKey {
+    /// The operands' dtype.
     pub dtype: FloatDtype,
+    /// The output's: the operands' or f32 (f32 sums of 16-bit products
+    /// kept unrounded, e.g. for gradient accumulators).
+    pub out_dtype: FloatDtype,
     pub tf32: bool,
     pub a: BlasOperand,
     pub b: BlasOperand,
@@ -178,7 +182,7 @@ impl Descriptors {
         };
         this.a = layout(dtype, &key.a, key.batch)?;
         this.b = layout(dtype, &key.b, key.batch)?;
-        this.d = layout(dtype, &d_op, key.batch)?;
+        this.d = layout(cuda_type(key.out_dtype), &d_op, key.batch)?;
         this.pref = lt::create_matmul_pref().map_err(lt_err("preference"))?;
         let op = |t: bool| if t { 1i32 } else { 0i32 }; // CUBLAS_OP_T / CUBLAS_OP_N
         // SAFETY: every descriptor is live; values have the attribute's type.
@@ -254,9 +258,16 @@ impl Descriptors {
 }
 
 /// The key of one planned call.
-pub fn key(plan: &GemmPlan, dtype: FloatDtype, tf32: bool, bias: bool, align: [u32; 4]) -> AlgoKey {
+pub fn key(
+    plan: &GemmPlan,
+    [dtype, out_dtype]: [FloatDtype; 2],
+    tf32: bool,
+    bias: bool,
+    align: [u32; 4],
+) -> AlgoKey {
     AlgoKey {
         dtype,
+        out_dtype,
         tf32: tf32 && dtype == FloatDtype::F32,
         a: plan.a,
         b: plan.b,

@@ -1,6 +1,7 @@
 //! What cuBLASLt needs per CUDA device, created on first use and kept for
-//! the process: the library handle, a stream of our own, a workspace and
-//! the algorithms chosen so far.
+//! the process: the library handle, a stream of our own, one workspace per
+//! stream the calls are enqueued on (calls on different streams may run at
+//! once) and the algorithms chosen so far.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -20,7 +21,8 @@ pub struct DeviceState {
     pub ctx: CUcontext,
     pub handle: cublasLtHandle_t,
     pub stream: CUstream,
-    pub workspace: CUdeviceptr,
+    /// Keyed by the stream (as an address) whose calls use it.
+    workspaces: HashMap<usize, CUdeviceptr>,
     /// `None`: the heuristic found no algorithm for this problem.
     pub algos: HashMap<AlgoKey, Option<cublasLtMatmulAlgo_t>>,
 }
@@ -51,16 +53,29 @@ impl DeviceState {
         let handle = lt::create_handle().map_err(|e| err("handle", &e))?;
         let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking)
             .map_err(|e| err("stream", &e))?;
-        // SAFETY: a plain device allocation, freed never (process lifetime).
-        let workspace =
-            unsafe { drv::malloc_sync(WORKSPACE_BYTES) }.map_err(|e| err("workspace", &e))?;
         Ok(Self {
             ctx,
             handle,
             stream,
-            workspace,
+            workspaces: HashMap::new(),
             algos: HashMap::new(),
         })
+    }
+
+    /// The workspace of calls enqueued on `stream`, allocated on first use.
+    pub fn workspace_for(&mut self, stream: CUstream) -> Result<CUdeviceptr, KernelError> {
+        if let Some(&w) = self.workspaces.get(&(stream as usize)) {
+            return Ok(w);
+        }
+        // SAFETY: a plain device allocation in the current context, kept for
+        // the process's lifetime (streams are never destroyed either).
+        let w = unsafe { drv::malloc_sync(WORKSPACE_BYTES) }.map_err(|e| {
+            KernelError::Launch(format!(
+                "cuBLASLt workspace ({WORKSPACE_BYTES} bytes): {e:?}"
+            ))
+        })?;
+        self.workspaces.insert(stream as usize, w);
+        Ok(w)
     }
 
     /// Makes this device's context current on the calling thread.

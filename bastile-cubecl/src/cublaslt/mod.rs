@@ -3,12 +3,14 @@
 //! The operands are CubeCL handles; their device addresses come from
 //! `ComputeClient::get_resource`, which also keeps the memory alive while
 //! the call runs. The library, a workspace and the chosen algorithms are
-//! kept per device ([`device`]). cuBLASLt runs on a stream of its own,
-//! ordered against CubeCL's stream by [`order`].
+//! kept per device ([`device`]). [`order`] enqueues the calls on CubeCL's
+//! own stream when it can observe it, else orders them by host
+//! synchronization.
 
 mod algo;
 mod device;
 mod order;
+mod stream_probe;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -20,7 +22,7 @@ use cudarc::cublaslt::result as lt;
 use crate::gemm_layout::GemmPlan;
 use crate::{FloatDtype, KernelError};
 
-pub use order::{OrderMode, order_mode};
+pub use order::{OrderMode, force_host_sync, order_mode};
 
 static TF32: AtomicBool = AtomicBool::new(false);
 
@@ -42,12 +44,30 @@ pub fn available(index: usize) -> bool {
 }
 
 /// The buffers of one matmul: `out = lhs · rhs (+ bias)`, laid out as
-/// `plan` says, all of `dtype`; `bias` has one value per output column.
+/// `plan` says; `bias` has one value per output column.
 pub struct GemmBuffers<'a> {
     pub lhs: &'a Handle,
     pub rhs: &'a Handle,
     pub bias: Option<&'a Handle>,
     pub out: &'a Handle,
+}
+
+/// The dtypes of one matmul: `lhs`, `rhs` and `bias` are `operands`; `out`
+/// is `operands` or f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmDtypes {
+    pub operands: FloatDtype,
+    pub out: FloatDtype,
+}
+
+impl GemmDtypes {
+    /// Everything in one dtype.
+    pub fn uniform(dtype: FloatDtype) -> Self {
+        Self {
+            operands: dtype,
+            out: dtype,
+        }
+    }
 }
 
 /// Runs `plan` on CUDA device `index` with cuBLASLt. `Err(Unsupported)`
@@ -56,10 +76,15 @@ pub struct GemmBuffers<'a> {
 pub fn gemm(
     client: &ComputeClient<CudaRuntime>,
     index: usize,
-    dtype: FloatDtype,
+    dtypes: GemmDtypes,
     plan: &GemmPlan,
     buffers: GemmBuffers<'_>,
 ) -> Result<(), KernelError> {
+    if dtypes.out != dtypes.operands && (dtypes.out != FloatDtype::F32 || buffers.bias.is_some()) {
+        return Err(KernelError::Unsupported(format!(
+            "cuBLASLt path: {dtypes:?} (a different output dtype must be f32, without bias)"
+        )));
+    }
     if plan.m == 0 || plan.n == 0 || plan.calls.is_empty() {
         return Ok(());
     }
@@ -79,8 +104,8 @@ pub fn gemm(
     let bias_ptr = bias.as_ref().map(|b| b.resource().ptr);
 
     // The alignment every matrix of every call shares.
-    let elem = dtype.size() as u64;
-    let align_of = |base: u64, slot: usize, batch_stride: usize| {
+    let (elem, out_elem) = (dtypes.operands.size() as u64, dtypes.out.size() as u64);
+    let align_of = |base: u64, slot: usize, batch_stride: usize, elem: u64| {
         plan.calls
             .iter()
             .map(|c| algo::alignment(base + c[slot] as u64 * elem))
@@ -89,12 +114,18 @@ pub fn gemm(
             .unwrap_or(256)
     };
     let align = [
-        align_of(rhs_ptr, 1, plan.a.batch_stride),
-        align_of(lhs_ptr, 0, plan.b.batch_stride),
-        align_of(out_ptr, 2, plan.d_batch_stride),
+        align_of(rhs_ptr, 1, plan.a.batch_stride, elem),
+        align_of(lhs_ptr, 0, plan.b.batch_stride, elem),
+        align_of(out_ptr, 2, plan.d_batch_stride, out_elem),
         bias_ptr.map_or(256, algo::alignment),
     ];
-    let key = algo::key(plan, dtype, tf32(), bias_ptr.is_some(), align);
+    let key = algo::key(
+        plan,
+        [dtypes.operands, dtypes.out],
+        tf32(),
+        bias_ptr.is_some(),
+        align,
+    );
 
     device::with_device(index, |dev| {
         dev.make_current()?;
@@ -103,17 +134,18 @@ pub fn gemm(
             KernelError::Unsupported(format!("cuBLASLt has no algorithm for {key:?}"))
         })?;
         let (alpha, beta) = (1.0f32, 0.0f32);
-        order::ordered(client, dev, |stream| {
+        let handle = dev.handle;
+        order::ordered(client, index, dev, |stream, workspace| {
             for call in &plan.calls {
                 let a = rhs_ptr + call[1] as u64 * elem;
                 let b = lhs_ptr + call[0] as u64 * elem;
-                let d = out_ptr + call[2] as u64 * elem;
+                let d = out_ptr + call[2] as u64 * out_elem;
                 // SAFETY: the addresses are live CubeCL buffers (held by
                 // the resources above) whose extents the plan respects;
                 // `order::ordered` orders the call against CubeCL's stream.
                 unsafe {
                     lt::matmul(
-                        dev.handle,
+                        handle,
                         desc.desc,
                         &alpha as *const f32 as *const _,
                         &beta as *const f32 as *const _,
@@ -126,7 +158,7 @@ pub fn gemm(
                         d as *mut _,
                         desc.d,
                         &algo,
-                        dev.workspace as *mut _,
+                        workspace as *mut _,
                         device::WORKSPACE_BYTES,
                         stream as _,
                     )

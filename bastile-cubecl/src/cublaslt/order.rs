@@ -1,10 +1,16 @@
 //! Ordering cuBLASLt's work against CubeCL's stream.
 //!
-//! CubeCL does not expose its CUDA stream, so the call runs on a stream of
-//! ours between two synchronizations: CubeCL's stream is drained first
-//! (the operands are written), and ours is drained before returning (any
-//! later CubeCL kernel, including one that reuses a freed operand's
-//! memory, starts after the matmul).
+//! Preferred: the matmul is enqueued on the very CUDA stream CubeCL uses for
+//! the caller's stream id ([`stream_probe`]), so CUDA orders it after every
+//! kernel CubeCL issued before (the operands' `get_resource` round trip
+//! guarantees those are issued) and before every later one, including one
+//! that reuses a freed operand's memory; the host never waits.
+//!
+//! Fallback, when that stream cannot be observed (CUPTI missing or held by
+//! a profiler) or `BASTILE_MATMUL_ORDER=host-sync` is set: the call runs on a
+//! stream of ours between two host synchronizations.
+
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::ComputeClient;
@@ -12,32 +18,72 @@ use cudarc::driver::result as drv;
 use cudarc::driver::sys::CUstream;
 
 use super::device::DeviceState;
+use super::stream_probe;
 use crate::KernelError;
 
-/// How the calls are ordered against CubeCL's work.
+/// How a call is ordered against CubeCL's work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OrderMode {
+    /// Enqueued on CubeCL's own stream.
+    SameStream,
     /// Host synchronization before and after, on cuBLASLt's own stream.
     HostSync,
 }
 
-/// The mode in use.
-pub fn order_mode() -> OrderMode {
+static FORCE_HOST_SYNC: AtomicBool = AtomicBool::new(false);
+
+/// Forces [`OrderMode::HostSync`] (for comparison and debugging); the
+/// environment variable `BASTILE_MATMUL_ORDER=host-sync` does the same.
+pub fn force_host_sync(force: bool) {
+    FORCE_HOST_SYNC.store(force, Ordering::SeqCst);
+}
+
+fn host_sync_forced() -> bool {
+    FORCE_HOST_SYNC.load(Ordering::SeqCst)
+        || std::env::var("BASTILE_MATMUL_ORDER").is_ok_and(|v| v == "host-sync")
+}
+
+/// The mode the next call from this CubeCL stream on device `index` uses.
+pub fn order_mode(client: &ComputeClient<CudaRuntime>, index: usize) -> OrderMode {
+    if host_sync_forced() {
+        return OrderMode::HostSync;
+    }
+    if stream_probe::cubecl_stream(client, index).is_some() {
+        return OrderMode::SameStream;
+    }
+    // Not an error, but a user chasing speed wants to know why small
+    // matmuls are slow.
+    static TOLD: AtomicBool = AtomicBool::new(false);
+    if !TOLD.swap(true, Ordering::SeqCst) {
+        eprintln!(
+            "bastile: CubeCL's CUDA stream could not be observed (CUPTI missing from the library \
+             path, or held by a profiler); cuBLASLt matmuls are ordered by host synchronization"
+        );
+    }
     OrderMode::HostSync
 }
 
-/// Runs `launch` (which enqueues on the given stream) ordered after every
-/// CubeCL operation submitted so far and before every later one.
+/// Runs `launch` (which enqueues on the stream and workspace it is given)
+/// ordered after every CubeCL operation submitted so far and before every
+/// later one. The caller has already fetched the operands' resources.
 pub fn ordered(
     client: &ComputeClient<CudaRuntime>,
-    dev: &DeviceState,
-    launch: impl FnOnce(CUstream) -> Result<(), KernelError>,
+    index: usize,
+    dev: &mut DeviceState,
+    launch: impl FnOnce(CUstream, u64) -> Result<(), KernelError>,
 ) -> Result<(), KernelError> {
+    if order_mode(client, index) == OrderMode::SameStream
+        && let Some(stream) = stream_probe::cubecl_stream(client, index)
+    {
+        let workspace = dev.workspace_for(stream)?;
+        return launch(stream, workspace);
+    }
     cubecl::future::block_on(client.sync())
         .map_err(|e| KernelError::Launch(format!("waiting for CubeCL's stream: {e:?}")))?;
-    let launched = launch(dev.stream);
-    // SAFETY: `dev.stream` is a live stream of the current context.
-    let synced = unsafe { drv::stream::synchronize(dev.stream) }
+    let (stream, workspace) = (dev.stream, dev.workspace_for(dev.stream)?);
+    let launched = launch(stream, workspace);
+    // SAFETY: `stream` is a live stream of the current context.
+    let synced = unsafe { drv::stream::synchronize(stream) }
         .map_err(|e| KernelError::Launch(format!("cuStreamSynchronize: {e:?}")));
     launched.and(synced)
 }

@@ -1,6 +1,6 @@
 //! The fused linear cross-entropy on `CubeBackend`: the token-chunk loop.
 //!
-//! Per chunk of `C` tokens: `logits = h_c · Wᵀ (+ b)` with Burn's matmul,
+//! Per chunk of `C` tokens: `logits = h_c · Wᵀ (+ b)` (cuBLASLt on CUDA),
 //! the cross-entropy kernel turns them into their gradient in place, then
 //! `dh_c = dlogits · W` and `dW += dlogitsᵀ · h_c`. Across chunks `dW` (and
 //! `db`) accumulate in f32 whatever the input dtype: each chunk's product is
@@ -99,6 +99,21 @@ fn join_slices<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     }
 }
 
+/// `a · b` written in `out_dtype` (the operands' or f32): on cuBLASLt when
+/// it takes the problem (CUDA, `matmul` patch on), else CubeCL's matmul.
+fn mm<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    a: Tensor<Cube<R, F, I, BT>, 2>,
+    b: Tensor<Cube<R, F, I, BT>, 2>,
+    out_dtype: DType,
+) -> Tensor<Cube<R, F, I, BT>, 2> {
+    let (a, b) = (prim(a), prim(b));
+    let out = super::matmul::matmul_blas(&a, &b, out_dtype).unwrap_or_else(|| {
+        matmul(a, b, None, MatmulStrategy::default(), out_dtype)
+            .unwrap_or_else(|e| panic!("a loss matmul could not be set up: {e:?}"))
+    });
+    float(out)
+}
+
 /// Runs the chunk loop: per-token `(losses, lse)` for the stats passes and
 /// the gradients for the gradient passes.
 #[allow(clippy::type_complexity)]
@@ -154,7 +169,7 @@ pub(super) fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElemen
         let end = (start + chunk).min(n);
         let rows = end - start;
         let hc = h.clone().narrow(0, start, rows);
-        let mut logits = hc.clone().matmul(wt.clone());
+        let mut logits = mm(hc.clone(), wt.clone(), dtype);
         if let Some(b) = &b {
             logits = logits + b.clone().reshape([1, vocab]);
         }
@@ -194,21 +209,10 @@ pub(super) fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElemen
         }
         // The logits now hold their gradient.
         let dlogits = float::<R, F, I, BT, 2>(logits);
-        dh.push(dlogits.clone().matmul(w.clone()));
+        dh.push(mm(dlogits.clone(), w.clone(), dtype));
         let weight_product = |v0: usize, rows: usize, out_dtype: DType| {
             let d = dlogits.clone().narrow(1, v0, rows).transpose();
-            float::<R, F, I, BT, 2>(
-                matmul(
-                    prim(d),
-                    prim(hc.clone()),
-                    None,
-                    MatmulStrategy::default(),
-                    out_dtype,
-                )
-                .unwrap_or_else(|e| {
-                    panic!("the weight-gradient matmul could not be set up: {e:?}")
-                }),
-            )
+            mm(d, hc.clone(), out_dtype)
         };
         for (i, v0) in (0..vocab).step_by(slice).enumerate() {
             let part = weight_product(v0, slice.min(vocab - v0), DType::F32);

@@ -14,13 +14,28 @@ pub(super) fn supported<R: CubeRuntime>(device: &R::Device, dtype: DType) -> boo
     kernel_dtype(dtype).is_some() && cuda::device_index::<R>(device).is_some_and(cuda::available)
 }
 
+/// `lhs · rhs` written in `out_dtype` (the operands' or f32) on cuBLASLt
+/// when the `matmul` patch is on and cuBLASLt takes it; `None` otherwise
+/// (the caller keeps its own matmul). For kernels that multiply inside a
+/// larger op, such as the fused linear cross-entropy's chunks.
+pub(crate) fn matmul_blas<R: CubeRuntime>(
+    lhs: &CubeTensor<R>,
+    rhs: &CubeTensor<R>,
+    out_dtype: DType,
+) -> Option<CubeTensor<R>> {
+    if !crate::patches::is_enabled(crate::patches::Op::Matmul) {
+        return None;
+    }
+    cuda::matmul(lhs, rhs, None, out_dtype)
+}
+
 /// `lhs · rhs (+ bias over the last dimension)`.
 pub(super) fn matmul<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     lhs: CubeTensor<R>,
     rhs: CubeTensor<R>,
     bias: Option<CubeTensor<R>>,
 ) -> CubeTensor<R> {
-    match cuda::matmul(&lhs, &rhs, bias.as_ref()) {
+    match cuda::matmul(&lhs, &rhs, bias.as_ref(), lhs.dtype) {
         Some(out) => out,
         None => {
             type Inner<R, F, I, BT> = CubeBackend<R, F, I, BT>;
@@ -51,7 +66,7 @@ mod cuda {
     use cubecl::prelude::ComputeClient;
 
     use bastile_cubecl::KernelError;
-    use bastile_cubecl::cublaslt::{self, GemmBuffers};
+    use bastile_cubecl::cublaslt::{self, GemmBuffers, GemmDtypes};
     use bastile_cubecl::gemm_layout::{GemmPlan, PlanError, plan_matmul};
 
     use crate::kernels::kernel_dtype;
@@ -84,10 +99,14 @@ mod cuda {
         lhs: &CubeTensor<R>,
         rhs: &CubeTensor<R>,
         bias: Option<&CubeTensor<R>>,
+        out_dtype: burn::tensor::DType,
     ) -> Option<CubeTensor<R>> {
         let index = device_index::<R>(&lhs.device)?;
         let client = (&lhs.client as &dyn Any).downcast_ref::<ComputeClient<CudaRuntime>>()?;
-        let dtype = kernel_dtype(lhs.dtype)?;
+        let dtypes = GemmDtypes {
+            operands: kernel_dtype(lhs.dtype)?,
+            out: kernel_dtype(out_dtype)?,
+        };
         if rhs.dtype != lhs.dtype || bias.is_some_and(|b| b.dtype != lhs.dtype) {
             return None;
         }
@@ -108,7 +127,7 @@ mod cuda {
             lhs.client.clone(),
             lhs.device.clone(),
             plan.out_shape.clone().into(),
-            lhs.dtype,
+            out_dtype,
         );
         let buffers = GemmBuffers {
             lhs: &lhs.handle,
@@ -116,7 +135,7 @@ mod cuda {
             bias: bias.as_ref().map(|b| &b.handle),
             out: &out.handle,
         };
-        match cublaslt::gemm(client, index, dtype, &plan, buffers) {
+        match cublaslt::gemm(client, index, dtypes, &plan, buffers) {
             Ok(()) => Some(out),
             Err(KernelError::Unsupported(_)) => None,
             Err(e) => panic!("cuBLASLt matmul failed: {e}"),
@@ -141,6 +160,7 @@ mod cuda {
         _lhs: &CubeTensor<R>,
         _rhs: &CubeTensor<R>,
         _bias: Option<&CubeTensor<R>>,
+        _out_dtype: burn::tensor::DType,
     ) -> Option<CubeTensor<R>> {
         None
     }

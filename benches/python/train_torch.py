@@ -1,0 +1,125 @@
+"""Training steps of a model preset through HF transformers (eager attention)
+and HF + Liger-Kernel, on the same configuration as
+`bastile-bench --model <preset>`: random weights in bf16, AdamW, gradient
+clipping at 1.0, one micro-batch of random tokens per step, labels = ids.
+
+Each (implementation, batch, seq) runs in a fresh subprocess so its peak
+memory starts from nothing; an out-of-memory failure is recorded as such.
+Prints one JSON object per configuration.
+
+Usage: python3 train_torch.py --model qwen3-0.6b --seq 4096 --batch 1 \
+           [--impl hf liger] [--steps 5] [--out results.jsonl]
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+# The presets of `bastile_models::presets` that this script knows, in HF
+# config fields.
+def qwen3(hidden, inter, layers, heads, kv_heads):
+    return dict(model_type="qwen3", hidden_size=hidden, intermediate_size=inter,
+                num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv_heads, head_dim=128, vocab_size=151936,
+                tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                max_position_embeddings=40960)
+
+
+PRESETS = {
+    "qwen3-0.6b": qwen3(1024, 3072, 28, 16, 8),
+    "qwen3-1.7b": qwen3(2048, 6144, 28, 16, 8),
+}
+
+
+NAMES = {"hf": "HF transformers (eager)", "liger": "HF + Liger-Kernel"}
+
+
+def one(model_name, impl, batch, seq, steps):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(PRESETS[model_name])
+    model_type = fields.pop("model_type")
+    if impl == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+
+        apply_liger_kernel_to_qwen3()
+    config = AutoConfig.for_model(model_type, **fields)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16).cuda()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda")
+    times = []
+    for i in range(2 + steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_value = loss.item()
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - t)
+        print(f"step {i}: loss {loss_value:.4f}", file=sys.stderr)
+    ms = statistics.median(times) * 1e3
+    return {
+        "model": model_name,
+        "batch": batch,
+        "seq": seq,
+        "dtype": "bf16",
+        "implementation": NAMES[impl],
+        "ms_per_step": ms,
+        "tokens_per_s": batch * seq / (ms / 1e3),
+        "peak_mib": torch.cuda.max_memory_reserved() / 2**20,
+        "error": None,
+        "device": torch.cuda.get_device_name(),
+    }
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen3-0.6b", choices=sorted(PRESETS))
+    p.add_argument("--seq", type=int, nargs="+", default=[4096])
+    p.add_argument("--batch", type=int, nargs="+", default=[1])
+    p.add_argument("--impl", nargs="+", default=["hf", "liger"], choices=["hf", "liger"])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        print(json.dumps(one(a.model, a.impl[0], a.batch[0], a.seq[0], a.steps)))
+        return
+    rows = []
+    for batch in a.batch:
+        for seq in a.seq:
+            for impl in a.impl:
+                cmd = [sys.executable, __file__, "--child", "--model", a.model, "--impl", impl,
+                       "--batch", str(batch), "--seq", str(seq), "--steps", str(a.steps)]
+                r = subprocess.run(cmd, capture_output=True, text=True)
+                sys.stderr.write(r.stderr[-2000:])
+                line = next((l for l in r.stdout.splitlines() if l.startswith("{")), None)
+                if line:
+                    row = json.loads(line)
+                else:
+                    oom = "out of memory" in r.stderr.lower()
+                    last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+                    row = {"model": a.model, "batch": batch, "seq": seq, "dtype": "bf16",
+                           "implementation": NAMES[impl], "ms_per_step": None,
+                           "tokens_per_s": None, "peak_mib": None,
+                           "error": "out of memory" if oom else last}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+if __name__ == "__main__":
+    main()
