@@ -188,40 +188,10 @@ pub fn plan_matmul(
             .collect();
     }
 
-    // BLAS's A is rhsᵀ [N, K]: a row-major rhs is exactly that.
-    let a = match rhs_order {
-        Order::Row => BlasOperand {
-            transposed: false,
-            rows: n,
-            cols: k,
-            ld: rhs_ld,
-            batch_stride: batch_strides[1],
-        },
-        Order::Col => BlasOperand {
-            transposed: true,
-            rows: k,
-            cols: n,
-            ld: rhs_ld,
-            batch_stride: batch_strides[1],
-        },
-    };
-    // BLAS's B is lhsᵀ [K, M].
-    let b = match lhs_order {
-        Order::Row => BlasOperand {
-            transposed: false,
-            rows: k,
-            cols: m,
-            ld: lhs_ld,
-            batch_stride: batch_strides[0],
-        },
-        Order::Col => BlasOperand {
-            transposed: true,
-            rows: m,
-            cols: k,
-            ld: lhs_ld,
-            batch_stride: batch_strides[0],
-        },
-    };
+    // BLAS's A is rhsᵀ [N, K] (a row-major rhs is exactly that) and its B
+    // is lhsᵀ [K, M].
+    let a = blas_operand(rhs_order, [n, k], rhs_ld, batch_strides[1]);
+    let b = blas_operand(lhs_order, [k, m], lhs_ld, batch_strides[0]);
 
     Ok(GemmPlan {
         m: n,
@@ -235,6 +205,33 @@ pub fn plan_matmul(
         calls,
         out_shape,
     })
+}
+
+/// The column-major BLAS operand `[rows, cols]` read from a buffer in
+/// `order`: a row-major buffer already is that matrix in column-major
+/// terms; a column-major one is its transpose.
+fn blas_operand(
+    order: Order,
+    [rows, cols]: [usize; 2],
+    ld: usize,
+    batch_stride: usize,
+) -> BlasOperand {
+    match order {
+        Order::Row => BlasOperand {
+            transposed: false,
+            rows,
+            cols,
+            ld,
+            batch_stride,
+        },
+        Order::Col => BlasOperand {
+            transposed: true,
+            rows: cols,
+            cols: rows,
+            ld,
+            batch_stride,
+        },
+    }
 }
 
 #[cfg(test)]
