@@ -183,22 +183,19 @@ where
     let model = args.model.as_deref().expect("--model");
     let (batch, seq) = (args.batch[0], args.seq[0]);
     let row = match imp {
-        TrainImpl::Burn => measure::<R, Autodiff<B>>(device, model, batch, seq, args.steps),
+        TrainImpl::Burn => measure::<R, Autodiff<B>>(device, model, imp, batch, seq, args.steps),
         TrainImpl::BastileKernels | TrainImpl::Bastile => {
             bastile::apply(Patches {
                 matmul: imp == TrainImpl::Bastile,
                 ..Patches::default()
             });
-            measure::<R, Autodiff<Bastile<B>>>(device, model, batch, seq, args.steps)
+            measure::<R, Autodiff<Bastile<B>>>(device, model, imp, batch, seq, args.steps)
         }
     };
-    let row = TrainRow {
-        implementation: imp.name().into(),
-        ..row.unwrap_or_else(|e| {
-            eprintln!("{e}");
-            std::process::exit(1)
-        })
-    };
+    let row = row.unwrap_or_else(|e| {
+        eprintln!("{e}");
+        std::process::exit(1)
+    });
     println!(
         "{ROW_TAG}{}",
         serde_json::to_string(&row).expect("rows serialize")
@@ -208,6 +205,7 @@ where
 fn measure<R, A>(
     device: &A::Device,
     model: &str,
+    imp: TrainImpl,
     batch: usize,
     seq: usize,
     steps: usize,
@@ -263,7 +261,7 @@ where
         batch,
         seq,
         dtype: "bf16".into(),
-        implementation: String::new(),
+        implementation: imp.name().into(),
         ms_per_step: Some(secs * 1e3),
         tokens_per_s: Some((batch * seq) as f64 / secs),
         peak_mib: Some(usage.bytes_reserved as f64 / (1u64 << 20) as f64),

@@ -10,7 +10,7 @@ use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
-use super::{KernelBackend, matmul_shape};
+use super::KernelBackend;
 use crate::RmsNormCast;
 use crate::ops::cross_entropy::LossSpec;
 use crate::ops::linear_cross_entropy::LinearGrads;
@@ -288,7 +288,10 @@ impl<B: FusionBackend + KernelBackend> KernelBackend for Fusion<B> {
         rhs: FloatTensor<Self>,
         bias: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
-        let outputs = vec![(matmul_shape(&lhs.shape, &rhs.shape), lhs.dtype)];
+        // Burn's tensor API validated the shapes before the backend call.
+        let shape = burn_std::calculate_matmul_output(&lhs.shape, &rhs.shape)
+            .expect("matmul shapes validated by the tensor API");
+        let outputs = vec![(shape, lhs.dtype)];
         let has_bias = bias.is_some();
         let inputs = [lhs, rhs].into_iter().chain(bias).collect();
         let mut out = record::<B>("bastile_matmul", inputs, outputs, move |mut i| {

@@ -11,7 +11,7 @@ mod fusion;
 use burn::backend::NdArray;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{DType, Device, Shape};
+use burn::tensor::{DType, Device};
 
 use crate::RmsNormCast;
 use crate::ops::cross_entropy::LossSpec;
@@ -172,14 +172,6 @@ pub trait KernelBackend: Backend {
 }
 
 impl KernelBackend for NdArray {}
-
-/// The shape of `lhs · rhs`: broadcast batch dimensions, then `[M, N]`.
-pub fn matmul_shape(lhs: &Shape, rhs: &Shape) -> Shape {
-    let d = lhs.num_dims();
-    let mut dims: Vec<usize> = (0..d - 2).map(|i| lhs[i].max(rhs[i])).collect();
-    dims.extend([lhs[d - 2], rhs[d - 1]]);
-    Shape::from(dims)
-}
 
 /// The kernel dtype for a Burn dtype, if the kernels are built for it.
 pub fn kernel_dtype(dtype: DType) -> Option<bastile_cubecl::FloatDtype> {

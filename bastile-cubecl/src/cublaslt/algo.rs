@@ -54,7 +54,7 @@ pub fn alignment(ptr: u64) -> u32 {
     }
 }
 
-fn lt_err(what: &'static str) -> impl Fn(cudarc::cublaslt::result::CublasError) -> KernelError {
+fn lt_err(what: &'static str) -> impl Fn(lt::CublasError) -> KernelError {
     move |e| KernelError::Launch(format!("cuBLASLt {what}: {e:?}"))
 }
 
@@ -80,20 +80,43 @@ impl Drop for Descriptors {
     }
 }
 
+/// Sets one attribute through a cuBLASLt `*SetAttribute` call (they all
+/// take the object, the attribute and the value's bytes).
+///
+/// # Safety
+/// `object` is live and `T` is the attribute's type.
+unsafe fn set_attr<O, A, T>(
+    setter: unsafe fn(O, A, *const c_void, usize) -> Result<(), lt::CublasError>,
+    object: O,
+    attr: A,
+    value: &T,
+    what: &'static str,
+) -> Result<(), KernelError> {
+    unsafe {
+        setter(
+            object,
+            attr,
+            value as *const T as *const c_void,
+            size_of::<T>(),
+        )
+    }
+    .map_err(lt_err(what))
+}
+
 unsafe fn set_desc<T>(
     desc: cublasLtMatmulDesc_t,
     attr: DescAttr,
     value: &T,
 ) -> Result<(), KernelError> {
     unsafe {
-        lt::set_matmul_desc_attribute(
+        set_attr(
+            lt::set_matmul_desc_attribute,
             desc,
             attr,
-            value as *const T as *const c_void,
-            size_of::<T>(),
+            value,
+            "matmul attribute",
         )
     }
-    .map_err(lt_err("matmul attribute"))
 }
 
 unsafe fn set_layout<T>(
@@ -102,14 +125,14 @@ unsafe fn set_layout<T>(
     value: &T,
 ) -> Result<(), KernelError> {
     unsafe {
-        lt::set_matrix_layout_attribute(
+        set_attr(
+            lt::set_matrix_layout_attribute,
             layout,
             attr,
-            value as *const T as *const c_void,
-            size_of::<T>(),
+            value,
+            "layout attribute",
         )
     }
-    .map_err(lt_err("layout attribute"))
 }
 
 unsafe fn set_pref<T>(
@@ -118,14 +141,14 @@ unsafe fn set_pref<T>(
     value: &T,
 ) -> Result<(), KernelError> {
     unsafe {
-        lt::set_matmul_pref_attribute(
+        set_attr(
+            lt::set_matmul_pref_attribute,
             pref,
             attr,
-            value as *const T as *const c_void,
-            size_of::<T>(),
+            value,
+            "preference",
         )
     }
-    .map_err(lt_err("preference"))
 }
 
 fn layout(

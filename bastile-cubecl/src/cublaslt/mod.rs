@@ -60,16 +60,6 @@ pub struct GemmDtypes {
     pub out: FloatDtype,
 }
 
-impl GemmDtypes {
-    /// Everything in one dtype.
-    pub fn uniform(dtype: FloatDtype) -> Self {
-        Self {
-            operands: dtype,
-            out: dtype,
-        }
-    }
-}
-
 /// Runs `plan` on CUDA device `index` with cuBLASLt. `Err(Unsupported)`
 /// when cuBLASLt has no algorithm for it (nothing was written: the caller
 /// can take another path).

@@ -10,6 +10,7 @@
 //! a profiler) or `BASTILE_MATMUL_ORDER=host-sync` is set: the call runs on a
 //! stream of ours between two host synchronizations.
 
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use cubecl::cuda::CudaRuntime;
@@ -39,28 +40,38 @@ pub fn force_host_sync(force: bool) {
 }
 
 fn host_sync_forced() -> bool {
+    // The environment is read once: this runs on every matmul.
+    static ENV: OnceLock<bool> = OnceLock::new();
     FORCE_HOST_SYNC.load(Ordering::SeqCst)
-        || std::env::var("BASTILE_MATMUL_ORDER").is_ok_and(|v| v == "host-sync")
+        || *ENV
+            .get_or_init(|| std::env::var("BASTILE_MATMUL_ORDER").is_ok_and(|v| v == "host-sync"))
 }
 
-/// The mode the next call from this CubeCL stream on device `index` uses.
-pub fn order_mode(client: &ComputeClient<CudaRuntime>, index: usize) -> OrderMode {
+/// CubeCL's stream for the next call from this CubeCL stream on device
+/// `index`, or `None` when the call is ordered by host synchronization.
+fn same_stream(client: &ComputeClient<CudaRuntime>, index: usize) -> Option<CUstream> {
     if host_sync_forced() {
-        return OrderMode::HostSync;
+        return None;
     }
-    if stream_probe::cubecl_stream(client, index).is_some() {
-        return OrderMode::SameStream;
-    }
+    let stream = stream_probe::cubecl_stream(client, index);
     // Not an error, but a user chasing speed wants to know why small
     // matmuls are slow.
     static TOLD: AtomicBool = AtomicBool::new(false);
-    if !TOLD.swap(true, Ordering::SeqCst) {
+    if stream.is_none() && !TOLD.swap(true, Ordering::SeqCst) {
         eprintln!(
             "bastile: CubeCL's CUDA stream could not be observed (CUPTI missing from the library \
              path, or held by a profiler); cuBLASLt matmuls are ordered by host synchronization"
         );
     }
-    OrderMode::HostSync
+    stream
+}
+
+/// The mode the next call from this CubeCL stream on device `index` uses.
+pub fn order_mode(client: &ComputeClient<CudaRuntime>, index: usize) -> OrderMode {
+    match same_stream(client, index) {
+        Some(_) => OrderMode::SameStream,
+        None => OrderMode::HostSync,
+    }
 }
 
 /// Runs `launch` (which enqueues on the stream and workspace it is given)
@@ -72,9 +83,7 @@ pub fn ordered(
     dev: &mut DeviceState,
     launch: impl FnOnce(CUstream, u64) -> Result<(), KernelError>,
 ) -> Result<(), KernelError> {
-    if order_mode(client, index) == OrderMode::SameStream
-        && let Some(stream) = stream_probe::cubecl_stream(client, index)
-    {
+    if let Some(stream) = same_stream(client, index) {
         let workspace = dev.workspace_for(stream)?;
         return launch(stream, workspace);
     }

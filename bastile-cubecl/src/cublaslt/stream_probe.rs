@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::ffi::{CStr, c_void};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicPtr, Ordering};
 
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
@@ -36,9 +36,9 @@ fn bastile_stream_probe(out: &mut Tensor<u32>) {
 type StreamTable = HashMap<(usize, u64), Option<usize>>;
 
 static STREAMS: Mutex<Option<StreamTable>> = Mutex::new(None);
-/// One probe at a time: the callback writes to these.
+/// One probe at a time: the callback writes the stream it saw here (null:
+/// none seen yet).
 static PROBING: Mutex<()> = Mutex::new(());
-static SEEN: AtomicBool = AtomicBool::new(false);
 static SEEN_STREAM: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
 
 /// The CUDA stream CubeCL uses for the calling code's current stream id on
@@ -82,7 +82,6 @@ unsafe extern "C" fn on_launch(
     // SAFETY: the parameters of `cuLaunchKernel`, per the callback id.
     let params = unsafe { &*(data.functionParams as *const cupti::cuLaunchKernel_params_st) };
     SEEN_STREAM.store(params.hStream as *mut c_void, Ordering::SeqCst);
-    SEEN.store(true, Ordering::SeqCst);
 }
 
 fn probe(client: &ComputeClient<CudaRuntime>) -> Option<usize> {
@@ -91,7 +90,7 @@ fn probe(client: &ComputeClient<CudaRuntime>) -> Option<usize> {
         return None;
     }
     let _only = PROBING.lock().unwrap_or_else(|p| p.into_inner());
-    SEEN.store(false, Ordering::SeqCst);
+    SEEN_STREAM.store(std::ptr::null_mut(), Ordering::SeqCst);
     let mut subscriber: cupti::CUpti_SubscriberHandle = std::ptr::null_mut();
     // SAFETY: `on_launch` matches `CUpti_CallbackFunc` and ignores userdata.
     let subscribed =
@@ -113,9 +112,9 @@ fn probe(client: &ComputeClient<CudaRuntime>) -> Option<usize> {
     // without callbacks.
     unsafe { cupti::cuptiUnsubscribe(subscriber) };
     let stream = SEEN_STREAM.load(Ordering::SeqCst) as usize;
-    // A null stream would mean CubeCL launches on the legacy default
-    // stream; CubeCL creates its own, so treat that as not observed.
-    (observed && SEEN.load(Ordering::SeqCst) && stream != 0).then_some(stream)
+    // Null: no launch seen, or one on the legacy default stream (CubeCL
+    // creates its own streams, so that would not be CubeCL's): not observed.
+    (observed && stream != 0).then_some(stream)
 }
 
 /// Launches the probe kernel on the current CubeCL stream and waits until
