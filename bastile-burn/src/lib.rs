@@ -55,6 +55,7 @@ pub use backend::Bastile;
 pub use bastile_cubecl::rms_norm::RmsNormCast;
 pub use error::BastileError;
 pub use ops::BastileBackend;
+pub use ops::attention::{AttentionOptions, attention};
 pub use ops::cross_entropy::{CrossEntropyOptions, CrossEntropyOutput, Reduction, cross_entropy};
 pub use ops::geglu::geglu_oss;
 pub use ops::linear_cross_entropy::{LinearGrads, fused_linear_cross_entropy};
@@ -102,5 +103,6 @@ pub fn warmup_all_kernels<B: BastileBackend>(device: &B::Device) {
     ops::swiglu::warmup::<B>(device);
     ops::geglu::warmup::<B>(device);
     ops::rope::warmup::<B>(device);
+    ops::attention::warmup::<B>(device);
     ops::linear_cross_entropy::warmup::<B>(device);
 }

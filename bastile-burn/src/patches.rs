@@ -16,11 +16,13 @@ pub enum Op {
     FusedLinearCrossEntropy,
     /// Matmul and `linear` through the vendor BLAS (cuBLASLt on CUDA).
     Matmul,
+    /// Flash-style attention (forward and backward).
+    Attention,
 }
 
 impl Op {
     /// Every switchable op.
-    pub const ALL: [Op; 7] = [
+    pub const ALL: [Op; 8] = [
         Op::RmsNorm,
         Op::SwiGlu,
         Op::Geglu,
@@ -28,6 +30,7 @@ impl Op {
         Op::CrossEntropy,
         Op::FusedLinearCrossEntropy,
         Op::Matmul,
+        Op::Attention,
     ];
 
     fn bit(self) -> u32 {
@@ -44,6 +47,7 @@ impl Op {
             Op::CrossEntropy => "cross_entropy",
             Op::FusedLinearCrossEntropy => "fused_linear_cross_entropy",
             Op::Matmul => "matmul",
+            Op::Attention => "attention",
         }
     }
 }
@@ -69,6 +73,8 @@ pub struct Patches {
     /// Matmul and `linear` on cuBLASLt (CUDA; elsewhere the inner
     /// backend's matmul either way).
     pub matmul: bool,
+    /// Attention that never materializes the `[seq, seq]` scores.
+    pub attention: bool,
 }
 
 impl Default for Patches {
@@ -92,6 +98,7 @@ impl Patches {
             cross_entropy: on,
             fused_linear_cross_entropy: on,
             matmul: on,
+            attention: on,
         }
     }
 
@@ -104,6 +111,7 @@ impl Patches {
             (self.cross_entropy, Op::CrossEntropy),
             (self.fused_linear_cross_entropy, Op::FusedLinearCrossEntropy),
             (self.matmul, Op::Matmul),
+            (self.attention, Op::Attention),
         ]
         .into_iter()
         .filter(|(on, _)| *on)

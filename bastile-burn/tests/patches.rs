@@ -36,6 +36,11 @@ fn switches_turn_the_fused_path_on_and_off() {
         ..Patches::none()
     });
     assert_eq!(patched_ops(), vec![Op::Matmul]);
+    apply(Patches {
+        attention: true,
+        ..Patches::none()
+    });
+    assert_eq!(patched_ops(), vec![Op::Attention]);
     apply(Patches::none());
     assert!(patched_ops().is_empty());
     let names: Vec<String> = Op::ALL.iter().map(|op| op.to_string()).collect();
@@ -48,7 +53,8 @@ fn switches_turn_the_fused_path_on_and_off() {
             "rope",
             "cross_entropy",
             "fused_linear_cross_entropy",
-            "matmul"
+            "matmul",
+            "attention"
         ]
     );
     apply(Patches {

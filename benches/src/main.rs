@@ -2,6 +2,7 @@
 //! one device, in one process, with the device's measured copy bandwidth as
 //! the yardstick. `cargo xtask bench` builds and runs it.
 
+mod attention;
 mod copy;
 mod flce;
 mod geglu;
@@ -30,6 +31,7 @@ pub enum OpName {
     Rope,
     Flce,
     Matmul,
+    Attention,
 }
 
 #[derive(Parser, Debug)]
@@ -59,13 +61,14 @@ pub struct Args {
     /// instead of benchmarking kernels, e.g. `qwen3-0.6b`.
     #[arg(long)]
     pub model: Option<String>,
-    /// With `--model`: sequence lengths to sweep.
+    /// With `--model` or `--op attention`: sequence lengths to sweep.
     #[arg(long, value_delimiter = ',', default_value = "4096")]
     pub seq: Vec<usize>,
     /// With `--model`: batch sizes to sweep.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     pub batch: Vec<usize>,
-    /// With `--model`: only this implementation (all three when omitted).
+    /// With `--model`: only this implementation (all three when omitted);
+    /// with `--op attention`: `burn` or `bastile`.
     #[arg(long = "impl", value_enum)]
     pub implementation: Option<train::TrainImpl>,
     /// With `--model`: timed training steps (after two warm-up steps).
@@ -131,7 +134,10 @@ where
     }
     // The loss benchmark reports flops and memory, not bandwidth, and its
     // memory readings must not include the copy test's buffers.
-    let copy_gbs = if matches!(args.op, Some(OpName::Flce | OpName::Matmul)) {
+    let copy_gbs = if matches!(
+        args.op,
+        Some(OpName::Flce | OpName::Matmul | OpName::Attention)
+    ) {
         f64::NAN
     } else {
         copy::measure_copy_bandwidth::<R>(&device, args.tiny, args.samples)
@@ -156,6 +162,9 @@ where
     }
     if wanted(OpName::Matmul) {
         matmul::bench::<B>(&device, args, &mut report);
+    }
+    if wanted(OpName::Attention) {
+        attention::bench::<R, B>(&device, args, &mut report);
     }
     report
 }

@@ -59,6 +59,20 @@ pub struct MatmulRow {
     pub tflops: f64,
 }
 
+/// One attention measurement.
+#[derive(Clone, Debug, Serialize)]
+pub struct AttentionRow {
+    pub shape: String,
+    pub seq: usize,
+    pub dtype: String,
+    pub implementation: String,
+    pub fwd_ms: f64,
+    pub fwd_tflops: f64,
+    pub fwd_bwd_ms: f64,
+    pub fwd_bwd_tflops: f64,
+    pub peak_mib: f64,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
     pub runtime: String,
@@ -69,6 +83,7 @@ pub struct Report {
     pub rows: Vec<Row>,
     pub flce: Vec<FlceRow>,
     pub matmul: Vec<MatmulRow>,
+    pub attention: Vec<AttentionRow>,
     pub train: Vec<crate::train::TrainRow>,
 }
 
@@ -82,6 +97,7 @@ impl Report {
             rows: Vec::new(),
             flce: Vec::new(),
             matmul: Vec::new(),
+            attention: Vec::new(),
             train: Vec::new(),
         }
     }
@@ -138,8 +154,35 @@ impl Report {
         if !self.matmul.is_empty() {
             s += &self.matmul_markdown();
         }
+        if !self.attention.is_empty() {
+            s += &self.attention_markdown();
+        }
         if !self.train.is_empty() {
             s += &self.train_markdown();
+        }
+        s
+    }
+
+    /// Attention forward and forward+backward per sequence length.
+    fn attention_markdown(&self) -> String {
+        let mut s = String::from(
+            "\nAttention (causal TFLOP/s; backward counted as 2.5 forwards; peak: reserved after one forward+backward):\n\n",
+        );
+        s += "| shape | seq | dtype | implementation | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | peak MiB |\n";
+        s += "|---|---:|---|---|---:|---:|---:|---:|---:|\n";
+        for r in &self.attention {
+            s += &format!(
+                "| {} | {} | {} | {} | {:.3} | {:.1} | {:.3} | {:.1} | {:.0} |\n",
+                r.shape,
+                r.seq,
+                r.dtype,
+                r.implementation,
+                r.fwd_ms,
+                r.fwd_tflops,
+                r.fwd_bwd_ms,
+                r.fwd_bwd_tflops,
+                r.peak_mib
+            );
         }
         s
     }

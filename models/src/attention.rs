@@ -1,14 +1,16 @@
-//! Grouped-query causal self-attention with Burn's own ops: optional
-//! per-head q/k RMSNorm (Qwen3), biases and attention sinks plus a sliding
-//! window (GPT-OSS). RoPE goes through Bastile's fused op.
+//! Grouped-query causal self-attention: optional per-head q/k RMSNorm
+//! (Qwen3), biases and attention sinks plus a sliding window (GPT-OSS).
+//! RoPE and the attention itself go through Bastile's ops (fused kernels
+//! under `Bastile<B>`, Burn's ops otherwise).
 
 use bastile::nn::{RmsNorm, RmsNormConfig};
-use bastile::{BastileBackend, RopeLayout, RopeOptions, RopeTables, rope};
+use bastile::{
+    AttentionOptions, BastileBackend, RopeLayout, RopeOptions, RopeTables, attention, rope,
+};
 use burn::module::{Module, Param};
 use burn::nn::{Initializer, Linear, LinearConfig};
-use burn::tensor::activation::softmax;
+use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, DType, Int, Tensor};
 
 use crate::ModelError;
 use crate::config::ModelConfig;
@@ -68,33 +70,12 @@ impl<B: Backend> Attention<B> {
     }
 }
 
-/// `[seq, seq]`, `true` where position `k` may not be attended from
-/// position `q`: the future, and with a window `w` everything `w` or more
-/// positions back. Built once per forward for each distinct window (see
-/// [`Attention::window`]) and shared by the layers that use it.
-pub fn attention_mask<B: Backend>(
-    seq: usize,
-    window: Option<usize>,
-    device: &B::Device,
-) -> Tensor<B, 2, Bool> {
-    let pos = Tensor::<B, 1, Int>::arange(0..seq as i64, device);
-    let q = pos.clone().reshape([seq, 1]);
-    let k = pos.reshape([1, seq]);
-    let future = k.clone().greater(q.clone());
-    match window {
-        Some(w) => future.bool_or(k.lower_equal(q.sub_scalar(w as i64))),
-        None => future,
-    }
-}
-
 impl<B: BastileBackend> Attention<B> {
-    /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`; `mask` is
-    /// [`attention_mask`] for this layer's window.
+    /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`.
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
         tables: &RopeTables<B>,
-        mask: &Tensor<B, 2, Bool>,
     ) -> Result<Tensor<B, 3>, ModelError> {
         let [b, s, _] = x.dims();
         let (nh, nkv, d) = (self.heads, self.kv_heads, self.head_dim);
@@ -110,35 +91,21 @@ impl<B: BastileBackend> Attention<B> {
             ..Default::default()
         };
         let (q, k) = rope(q, k, tables, options)?;
-        let q = q.swap_dims(1, 2);
-        let rep = nh / nkv;
-        let expand = |t: Tensor<B, 4>| {
-            t.swap_dims(1, 2)
-                .unsqueeze_dim::<5>(2)
-                .expand([b, nkv, rep, s, d])
-                .reshape([b, nh, s, d])
+        // Heads-major views of the projections, read in place; GQA, the
+        // causal mask, the window and the sinks are the attention op's.
+        let options = AttentionOptions {
+            scale: None,
+            causal: true,
+            window: self.window,
         };
-        let (k, v) = (expand(k), expand(v));
-        let dtype = q.dtype();
-        let scale = (d as f64).powf(-0.5);
-        // Scores and softmax in f32, as HF's eager attention does.
-        let scores = q.matmul(k.swap_dims(2, 3)).cast(DType::F32) * scale;
-        let mask = mask.clone().unsqueeze::<4>().expand([b, nh, s, s]);
-        let scores = scores.mask_fill(mask, f32::NEG_INFINITY);
-        let probs = match &self.sinks {
-            // A sink is one more logit per head in the softmax, dropped
-            // after it.
-            Some(sinks) => {
-                let sink = sinks
-                    .val()
-                    .cast(DType::F32)
-                    .reshape([1, nh, 1, 1])
-                    .expand([b, nh, s, 1]);
-                softmax(Tensor::cat(vec![scores, sink], 3), 3).narrow(3, 0, s)
-            }
-            None => softmax(scores, 3),
-        };
-        let out = probs.cast(dtype).matmul(v);
+        let out = attention(
+            q.swap_dims(1, 2),
+            k.swap_dims(1, 2),
+            v.swap_dims(1, 2),
+            self.sinks.as_ref().map(|s| s.val()),
+            None,
+            options,
+        )?;
         Ok(self
             .o_proj
             .forward(out.swap_dims(1, 2).reshape([b, s, nh * d])))

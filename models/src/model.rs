@@ -11,10 +11,10 @@ use bastile::{
 use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, DType, Int, Tensor};
+use burn::tensor::{DType, Int, Tensor};
 
 use crate::ModelError;
-use crate::attention::{Attention, attention_mask};
+use crate::attention::Attention;
 use crate::config::{HfConfig, ModelConfig};
 use crate::mlp::Mlp;
 
@@ -148,24 +148,11 @@ impl<B: BastileBackend> CausalLm<B> {
         let [_, s] = ids.dims();
         let device = ids.device();
         let tables = RopeTables::new(s, &self.rotary.inv_freq, self.rotary.scaling, &device);
-        // One mask per distinct window (GPT-OSS alternates two), not per layer.
-        let mut masks: Vec<(Option<usize>, Tensor<B, 2, Bool>)> = Vec::new();
         let mut x = self.model.embed_tokens.forward(ids);
         for layer in &self.model.layers {
-            let window = layer.self_attn.window;
-            let mask = match masks.iter().find(|(w, _)| *w == window) {
-                Some((_, m)) => m.clone(),
-                None => {
-                    let m = attention_mask::<B>(s, window, &device);
-                    masks.push((window, m.clone()));
-                    m
-                }
-            };
-            let a = layer.self_attn.forward(
-                layer.input_layernorm.try_forward(x.clone())?,
-                &tables,
-                &mask,
-            )?;
+            let a = layer
+                .self_attn
+                .forward(layer.input_layernorm.try_forward(x.clone())?, &tables)?;
             x = x + a;
             let m = layer
                 .mlp

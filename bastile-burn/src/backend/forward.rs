@@ -18,7 +18,7 @@ use burn_std::BoolDType;
 use core::ops::Range;
 
 use super::convert::*;
-use super::{Bastile, matmul};
+use super::{Bastile, attention, matmul};
 use crate::kernels::KernelBackend;
 
 /// Emits `fn name(args) -> Ret { B::name(args) }` for each listed signature;
@@ -343,6 +343,17 @@ impl<B: KernelBackend> ModuleOps<Self> for Bastile<B> {
         matmul::linear_weight_backward::<B>(x, output_grad)
     }
 
+    fn attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        mask: Option<BoolTensor<Self>>,
+        attn_bias: Option<FloatTensor<Self>>,
+        options: AttentionModuleOptions,
+    ) -> FloatTensor<Self> {
+        attention::module_attention::<B>(query, key, value, mask, attn_bias, options)
+    }
+
     forward_ops! {
         fn embedding(weights: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self>;
         fn embedding_backward(weights: FloatTensor<Self>, output_grad: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self>;
@@ -390,7 +401,6 @@ impl<B: KernelBackend> ModuleOps<Self> for Bastile<B> {
         fn max_pool2d_with_indices_backward(x: FloatTensor<Self>, kernel_size: [usize; 2], stride: [usize; 2], padding: [usize; 2], dilation: [usize; 2], ceil_mode: bool, output_grad: FloatTensor<Self>, indices: IntTensor<Self>) -> MaxPool2dBackward<Self> => pool2d_backward_out;
         fn interpolate(x: FloatTensor<Self>, output_size: [usize; 2], options: InterpolateOptions) -> FloatTensor<Self>;
         fn interpolate_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>, output_size: [usize; 2], options: InterpolateOptions) -> FloatTensor<Self>;
-        fn attention(query: FloatTensor<Self>, key: FloatTensor<Self>, value: FloatTensor<Self>, mask: Option<BoolTensor<Self>>, attn_bias: Option<FloatTensor<Self>>, options: AttentionModuleOptions) -> FloatTensor<Self>;
         fn layer_norm(tensor: FloatTensor<Self>, gamma: FloatTensor<Self>, beta: Option<FloatTensor<Self>>, epsilon: f64) -> FloatTensor<Self>;
         fn ctc_loss(log_probs: FloatTensor<Self>, targets: IntTensor<Self>, input_lengths: IntTensor<Self>, target_lengths: IntTensor<Self>, blank: usize) -> FloatTensor<Self>;
         fn has_ctc_loss_backward() -> bool;

@@ -5,6 +5,7 @@
 //! `Fusion`-based backends and plain `CubeBackend`s all keep working. The
 //! fused ops themselves are the [`crate::BastileBackend`] trait.
 
+mod attention;
 mod convert;
 mod forward;
 mod matmul;

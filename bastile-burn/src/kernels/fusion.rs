@@ -12,6 +12,7 @@ use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
 use super::KernelBackend;
 use crate::RmsNormCast;
+use crate::ops::attention::{AttentionGrads, AttentionSpec};
 use crate::ops::cross_entropy::LossSpec;
 use crate::ops::linear_cross_entropy::LinearGrads;
 use crate::ops::rope::RopeOptions;
@@ -444,6 +445,95 @@ impl<B: FusionBackend + KernelBackend> KernelBackend for Fusion<B> {
             },
         );
         LinearGrads::from_vec(out, has_bias)
+    }
+
+    fn attention_supported(
+        device: &Device<Self>,
+        dims: &[Shape; 2],
+        dtype: DType,
+        spec: &AttentionSpec,
+    ) -> bool {
+        B::attention_supported(device, dims, dtype, spec)
+    }
+
+    fn attention_forward_kernel(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        sinks: Option<FloatTensor<Self>>,
+        key_lengths: Option<IntTensor<Self>>,
+        spec: AttentionSpec,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let has_sinks = sinks.is_some();
+        let rows = Shape::new([q.shape[0], q.shape[1], q.shape[2]]);
+        let outputs = vec![(q.shape.clone(), q.dtype), (rows, DType::F32)];
+        let floats = [q, k, v].into_iter().chain(sinks).collect();
+        let ints = key_lengths.into_iter().collect();
+        let mut out = record_with_ints::<B>(
+            "bastile_attention_forward",
+            floats,
+            ints,
+            outputs,
+            move |mut f, mut i| {
+                let sinks = if has_sinks { f.pop() } else { None };
+                let [q, k, v]: [_; 3] = f.try_into().unwrap_or_else(|_| panic!("q, k, v"));
+                let (out, lse) = B::attention_forward_kernel(q, k, v, sinks, i.pop(), spec);
+                vec![out, lse]
+            },
+        );
+        let lse = out.pop().expect("two outputs");
+        (out.pop().expect("two outputs"), lse)
+    }
+
+    fn attention_backward_kernel(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        sinks: Option<FloatTensor<Self>>,
+        key_lengths: Option<IntTensor<Self>>,
+        spec: AttentionSpec,
+    ) -> AttentionGrads<FloatTensor<Self>> {
+        let has_sinks = sinks.is_some();
+        let mut outputs = vec![
+            (q.shape.clone(), q.dtype),
+            (k.shape.clone(), k.dtype),
+            (v.shape.clone(), v.dtype),
+        ];
+        if has_sinks {
+            let rows = Shape::new([q.shape[0], q.shape[1], q.shape[2]]);
+            outputs.push((rows, DType::F32));
+        }
+        let floats = [q, k, v, out, lse, dout].into_iter().chain(sinks).collect();
+        let ints = key_lengths.into_iter().collect();
+        let mut g = record_with_ints::<B>(
+            "bastile_attention_backward",
+            floats,
+            ints,
+            outputs,
+            move |mut f, mut i| {
+                let sinks = if has_sinks { f.pop() } else { None };
+                let [q, k, v, out, lse, dout]: [_; 6] = f
+                    .try_into()
+                    .unwrap_or_else(|_| panic!("q, k, v, out, lse, dout"));
+                let g = B::attention_backward_kernel(q, k, v, out, lse, dout, sinks, i.pop(), spec);
+                [Some(g.q), Some(g.k), Some(g.v), g.sinks]
+                    .into_iter()
+                    .flatten()
+                    .collect()
+            },
+        );
+        let sinks = if has_sinks { g.pop() } else { None };
+        let v = g.pop().expect("dv");
+        let k = g.pop().expect("dk");
+        AttentionGrads {
+            q: g.pop().expect("dq"),
+            k,
+            v,
+            sinks,
+        }
     }
 }
 

@@ -11,9 +11,10 @@ mod fusion;
 use burn::backend::NdArray;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{DType, Device};
+use burn::tensor::{DType, Device, Shape};
 
 use crate::RmsNormCast;
+use crate::ops::attention::{AttentionGrads, AttentionSpec};
 use crate::ops::cross_entropy::LossSpec;
 use crate::ops::linear_cross_entropy::LinearGrads;
 use crate::ops::rope::RopeOptions;
@@ -168,6 +169,46 @@ pub trait KernelBackend: Backend {
         unreachable!(
             "linear_cross_entropy_backward_kernel called on a backend that does not support it"
         )
+    }
+
+    /// Whether the attention kernels take query and key shapes `dims` of
+    /// `dtype` with these options on `device`.
+    fn attention_supported(
+        _device: &Device<Self>,
+        _dims: &[Shape; 2],
+        _dtype: DType,
+        _spec: &AttentionSpec,
+    ) -> bool {
+        false
+    }
+
+    /// Fused attention forward: `(out, lse)`, `lse` f32 `[batch, heads, seq_q]`.
+    fn attention_forward_kernel(
+        _q: FloatTensor<Self>,
+        _k: FloatTensor<Self>,
+        _v: FloatTensor<Self>,
+        _sinks: Option<FloatTensor<Self>>,
+        _key_lengths: Option<IntTensor<Self>>,
+        _spec: AttentionSpec,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        unreachable!("attention_forward_kernel called on a backend that does not support it")
+    }
+
+    /// Fused attention backward. The sink gradient comes per query row
+    /// (f32 `[batch, heads, seq_q]`); the caller sums it per head.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward_kernel(
+        _q: FloatTensor<Self>,
+        _k: FloatTensor<Self>,
+        _v: FloatTensor<Self>,
+        _out: FloatTensor<Self>,
+        _lse: FloatTensor<Self>,
+        _dout: FloatTensor<Self>,
+        _sinks: Option<FloatTensor<Self>>,
+        _key_lengths: Option<IntTensor<Self>>,
+        _spec: AttentionSpec,
+    ) -> AttentionGrads<FloatTensor<Self>> {
+        unreachable!("attention_backward_kernel called on a backend that does not support it")
     }
 }
 

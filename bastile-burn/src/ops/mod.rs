@@ -8,6 +8,7 @@
 //!   `B`'s backward method (see each op's file), and takes the composite
 //!   path when `B` has no fused kernel for the input.
 
+pub mod attention;
 pub mod cross_entropy;
 pub mod geglu;
 pub mod linear_cross_entropy;
@@ -18,12 +19,13 @@ pub mod swiglu;
 use burn::backend::NdArray;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{DType, Device, Tensor, TensorMetadata, TensorPrimitive};
+use burn::tensor::{DType, Device, Shape, Tensor, TensorMetadata, TensorPrimitive};
 use burn_autodiff::Autodiff;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 use crate::{Bastile, BastileError, RmsNormCast, patches};
+use attention::{AttentionGrads, AttentionSpec};
 use cross_entropy::{LossPair, LossSpec};
 use linear_cross_entropy::LinearGrads;
 use rope::RopeOptions;
@@ -200,6 +202,60 @@ pub trait BastileBackend: Backend {
         linear_cross_entropy::composite_backward::<Self>(
             hidden, weight, bias, labels, lse, dloss, spec,
         )
+    }
+
+    /// Whether [`BastileBackend::flash_attention`] runs fused kernels for query
+    /// and key shapes `dims` (`[batch, heads, seq, head_dim]`) of `dtype`.
+    fn attention_fused(
+        _device: &Device<Self>,
+        _dims: &[Shape; 2],
+        _dtype: DType,
+        _spec: &AttentionSpec,
+    ) -> bool {
+        false
+    }
+
+    /// Attention (see [`attention::attention`] for the semantics).
+    fn flash_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        sinks: Option<FloatTensor<Self>>,
+        key_lengths: Option<IntTensor<Self>>,
+        spec: AttentionSpec,
+    ) -> FloatTensor<Self> {
+        Self::attention_forward(q, k, v, sinks, key_lengths, spec).0
+    }
+
+    /// Attention that also returns the f32 log-sum-exp per query row
+    /// (`[batch, heads, seq_q]`) that [`BastileBackend::attention_backward`]
+    /// takes.
+    fn attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        sinks: Option<FloatTensor<Self>>,
+        key_lengths: Option<IntTensor<Self>>,
+        spec: AttentionSpec,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        attention::composite_forward::<Self>(q, k, v, sinks, key_lengths, spec)
+    }
+
+    /// Attention backward from the forward's inputs, output and
+    /// log-sum-exp, and the output gradient `dout`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        _lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        sinks: Option<FloatTensor<Self>>,
+        key_lengths: Option<IntTensor<Self>>,
+        spec: AttentionSpec,
+    ) -> AttentionGrads<FloatTensor<Self>> {
+        attention::composite_backward::<Self>(q, k, v, out, dout, sinks, key_lengths, spec)
     }
 }
 
@@ -409,6 +465,65 @@ impl<B: KernelBackend> BastileBackend for Bastile<B> {
             )
         }
     }
+
+    fn attention_fused(
+        device: &Device<Self>,
+        dims: &[Shape; 2],
+        dtype: DType,
+        spec: &AttentionSpec,
+    ) -> bool {
+        patches::is_enabled(patches::Op::Attention)
+            && attention::worth_fusing(dims)
+            && B::attention_supported(device, dims, dtype, spec)
+    }
+
+    fn attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        sinks: Option<FloatTensor<Self>>,
+        key_lengths: Option<IntTensor<Self>>,
+        spec: AttentionSpec,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let dims = [q.shape(), k.shape()];
+        if Self::attention_fused(&B::float_device(&q), &dims, q.dtype(), &spec) {
+            B::attention_forward_kernel(q, k, v, sinks, key_lengths, spec)
+        } else {
+            attention::composite_forward::<B>(q, k, v, sinks, key_lengths, spec)
+        }
+    }
+
+    fn attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        sinks: Option<FloatTensor<Self>>,
+        key_lengths: Option<IntTensor<Self>>,
+        spec: AttentionSpec,
+    ) -> AttentionGrads<FloatTensor<Self>> {
+        let dims = [q.shape(), k.shape()];
+        if Self::attention_fused(&B::float_device(&q), &dims, q.dtype(), &spec) {
+            let sink_dtype = sinks.as_ref().map(|s| s.dtype());
+            let mut g =
+                B::attention_backward_kernel(q, k, v, out, lse, dout, sinks, key_lengths, spec);
+            g.sinks = g.sinks.zip(sink_dtype).map(|(rows, dtype)| {
+                let rows = float::<B, 3>(rows);
+                let heads = rows.dims()[1];
+                rows.sum_dim(0)
+                    .sum_dim(2)
+                    .reshape([heads])
+                    .cast(dtype)
+                    .into_primitive()
+                    .tensor()
+            });
+            g
+        } else {
+            attention::composite_backward::<B>(q, k, v, out, dout, sinks, key_lengths, spec)
+        }
+    }
 }
 
 impl<B: BastileBackend, C: CheckpointStrategy> BastileBackend for Autodiff<B, C> {
@@ -479,6 +594,26 @@ impl<B: BastileBackend, C: CheckpointStrategy> BastileBackend for Autodiff<B, C>
         spec: LossSpec,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         linear_cross_entropy::autodiff::<B, C>(hidden, weight, bias, labels, spec)
+    }
+
+    fn attention_fused(
+        device: &Device<Self>,
+        dims: &[Shape; 2],
+        dtype: DType,
+        spec: &AttentionSpec,
+    ) -> bool {
+        B::attention_fused(device, dims, dtype, spec)
+    }
+
+    fn flash_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        sinks: Option<FloatTensor<Self>>,
+        key_lengths: Option<IntTensor<Self>>,
+        spec: AttentionSpec,
+    ) -> FloatTensor<Self> {
+        attention::autodiff::<B, C>(q, k, v, sinks, key_lengths, spec)
     }
 }
 

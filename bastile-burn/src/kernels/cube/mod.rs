@@ -2,6 +2,7 @@
 //! them (copying only when their strides do not allow it), allocate the
 //! outputs, run the autotuned kernel. One file per op.
 
+mod attention;
 mod cross_entropy;
 mod geglu;
 mod linear_cross_entropy;
@@ -22,6 +23,7 @@ use bastile_cubecl::rows::Rows;
 
 use super::{KernelBackend, kernel_dtype};
 use crate::RmsNormCast;
+use crate::ops::attention::{AttentionGrads, AttentionSpec};
 use crate::ops::cross_entropy::LossSpec;
 use crate::ops::linear_cross_entropy::LinearGrads;
 use crate::ops::rope::RopeOptions;
@@ -239,5 +241,39 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KernelBack
         linear_cross_entropy::run::<R, F, I, BT>(hidden, weight, bias, labels, &spec, pass)
             .1
             .expect("a gradient pass returns gradients")
+    }
+
+    fn attention_supported(
+        device: &Device<Self>,
+        dims: &[Shape; 2],
+        dtype: DType,
+        spec: &AttentionSpec,
+    ) -> bool {
+        attention::supported::<R>(device, dims, dtype, spec)
+    }
+
+    fn attention_forward_kernel(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        sinks: Option<FloatTensor<Self>>,
+        key_lengths: Option<IntTensor<Self>>,
+        spec: AttentionSpec,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        attention::forward(q, k, v, sinks, key_lengths, spec)
+    }
+
+    fn attention_backward_kernel(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        sinks: Option<FloatTensor<Self>>,
+        key_lengths: Option<IntTensor<Self>>,
+        spec: AttentionSpec,
+    ) -> AttentionGrads<FloatTensor<Self>> {
+        attention::backward(q, k, v, out, lse, dout, sinks, key_lengths, spec)
     }
 }

@@ -1,0 +1,361 @@
+//! Attention through Burn: `Autodiff<Bastile<B>>` (fused kernels) and
+//! `Autodiff<B>` (composite graph) against the f64 reference, output and
+//! the gradients of q, k, v and the sinks; every mask option, GQA,
+//! sequence-major views read in place; Burn's own `module::attention` on
+//! `Bastile<B>`; and the errors of the checked entry point.
+
+mod common;
+
+use bastile::{AttentionOptions, Bastile, BastileBackend, BastileError, attention};
+use bastile_cubecl::reference::attention::{self as reference, AttentionSpec};
+use bastile_cubecl::testing::{Rng, assert_close, tolerance};
+use burn::backend::Autodiff;
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{DType, Int, Shape, Tensor, TensorData};
+use common::*;
+
+#[derive(Clone, Debug)]
+struct Case {
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    seq_q: usize,
+    seq_k: usize,
+    head_dim: usize,
+    causal: bool,
+    window: Option<usize>,
+    sinks: bool,
+    key_lengths: Option<Vec<usize>>,
+    /// Build q, k, v as `[batch, seq, heads, d]` and view them head-major.
+    seq_major: bool,
+}
+
+struct Inputs {
+    q: Vec<f64>,
+    k: Vec<f64>,
+    v: Vec<f64>,
+    dout: Vec<f64>,
+    sinks: Vec<f64>,
+}
+
+/// `(out, dq, dk, dv, dsinks)`.
+type Outputs = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>);
+
+/// A `[b, h, s, d]` tensor, built sequence-major and viewed head-major
+/// when asked.
+fn heads<X: burn::tensor::backend::Backend>(
+    values: &[f64],
+    dims: [usize; 4],
+    seq_major: bool,
+    dtype: DType,
+    device: &X::Device,
+) -> Tensor<X, 4> {
+    let [b, h, s, d] = dims;
+    if !seq_major {
+        return tensor::<X, 4>(values, dims, dtype, device);
+    }
+    let mut t = vec![0.0; values.len()];
+    for bi in 0..b {
+        for hi in 0..h {
+            for si in 0..s {
+                let from = ((bi * h + hi) * s + si) * d;
+                let to = ((bi * s + si) * h + hi) * d;
+                t[to..to + d].copy_from_slice(&values[from..from + d]);
+            }
+        }
+    }
+    tensor::<X, 4>(&t, [b, s, h, d], dtype, device).swap_dims(1, 2)
+}
+
+fn run<X: BastileBackend>(c: &Case, x: &Inputs, dtype: DType, device: &X::Device) -> Outputs {
+    let q_dims = [c.batch, c.heads, c.seq_q, c.head_dim];
+    let k_dims = [c.batch, c.kv_heads, c.seq_k, c.head_dim];
+    let q = heads::<Autodiff<X>>(&x.q, q_dims, c.seq_major, dtype, device).require_grad();
+    let k = heads::<Autodiff<X>>(&x.k, k_dims, c.seq_major, dtype, device).require_grad();
+    let v = heads::<Autodiff<X>>(&x.v, k_dims, c.seq_major, dtype, device).require_grad();
+    let sinks = c
+        .sinks
+        .then(|| tensor::<Autodiff<X>, 1>(&x.sinks, [c.heads], DType::F32, device).require_grad());
+    let lengths = c.key_lengths.as_ref().map(|l| {
+        let data: Vec<i64> = l.iter().map(|&n| n as i64).collect();
+        Tensor::<Autodiff<X>, 1, Int>::from_data(TensorData::new(data, [c.batch]), device)
+    });
+    let options = AttentionOptions {
+        scale: None,
+        causal: c.causal,
+        window: c.window,
+    };
+    let out = attention(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        sinks.clone(),
+        lengths,
+        options,
+    )
+    .unwrap();
+    let dout = tensor::<Autodiff<X>, 4>(&x.dout, q_dims, dtype, device);
+    let grads = (out.clone().cast(DType::F32) * dout.cast(DType::F32))
+        .sum()
+        .backward();
+    let g = |t: &Tensor<Autodiff<X>, 4>| values(t.grad(&grads).expect("gradient"));
+    let dsinks = sinks.map_or(vec![], |s| values(s.grad(&grads).expect("sink gradient")));
+    (values(out.inner()), g(&q), g(&k), g(&v), dsinks)
+}
+
+fn check<B: BastileBackend + bastile::ops::KernelBackend>(
+    c: &Case,
+    dtype: DType,
+    name: &str,
+    device: &B::Device,
+    rng: &mut Rng,
+) {
+    let seed = rng.seed();
+    let n_q = c.batch * c.heads * c.seq_q * c.head_dim;
+    let n_k = c.batch * c.kv_heads * c.seq_k * c.head_dim;
+    let x = Inputs {
+        q: randn(rng, n_q, 0.0, 1.5, dtype),
+        k: randn(rng, n_k, 0.0, 1.5, dtype),
+        v: randn(rng, n_k, 0.0, 1.0, dtype),
+        dout: randn(rng, n_q, 0.0, 1.0, dtype),
+        sinks: randn(rng, c.heads, 1.0, 1.0, DType::F32),
+    };
+    let spec = AttentionSpec {
+        batch: c.batch,
+        heads: c.heads,
+        kv_heads: c.kv_heads,
+        seq_q: c.seq_q,
+        seq_k: c.seq_k,
+        head_dim: c.head_dim,
+        scale: 1.0 / (c.head_dim as f64).sqrt(),
+        causal: c.causal,
+        window: c.window,
+        key_lengths: c.key_lengths.clone(),
+        sinks: c.sinks.then(|| x.sinks.clone()),
+    };
+    let (out_ref, _) = reference::forward(&spec, &x.q, &x.k, &x.v);
+    let g = reference::backward(&spec, &x.q, &x.k, &x.v, &x.dout);
+    let dims = [
+        Shape::new([c.batch, c.heads, c.seq_q, c.head_dim]),
+        Shape::new([c.batch, c.kv_heads, c.seq_k, c.head_dim]),
+    ];
+    let resolved = bastile::ops::attention::AttentionSpec {
+        scale: spec.scale,
+        causal: c.causal,
+        window: c.window,
+    };
+    assert!(
+        <Bastile<B> as BastileBackend>::attention_fused(device, &dims, dtype, &resolved),
+        "{name}: the kernels must take {c:?}"
+    );
+    let tol = tolerance(kdtype(dtype)) * if dtype == DType::F32 { 4.0 } else { 1.0 };
+    let mut paths = vec![("fused", run::<Bastile<B>>(c, &x, dtype, device))];
+    // The composite multiplies q·kᵀ in the input dtype (HF's eager
+    // attention), so only its f32 results are held to the reference.
+    if dtype == DType::F32 {
+        paths.push(("composite", run::<B>(c, &x, dtype, device)));
+    }
+    for (path, got) in paths {
+        let what = format!("{path} {name} {dtype:?} {c:?}");
+        assert_close(&format!("out {what}"), &got.0, &out_ref, tol, seed);
+        assert_close(&format!("dq {what}"), &got.1, &g.dq, tol, seed);
+        assert_close(&format!("dk {what}"), &got.2, &g.dk, tol, seed);
+        assert_close(&format!("dv {what}"), &got.3, &g.dv, tol, seed);
+        if c.sinks {
+            assert_close(&format!("dsinks {what}"), &got.4, &g.dsinks, tol, seed);
+        }
+    }
+}
+
+struct AutodiffMatches;
+
+impl BackendTest for AutodiffMatches {
+    fn run<B>(&self, device: &B::Device, name: &str, dtypes: &[DType])
+    where
+        B: bastile::ops::KernelBackend + BastileBackend,
+    {
+        // Every size takes the fused kernels here.
+        bastile::ops::attention::set_fused_from(0);
+        let mut rng = Rng::fresh();
+        let cases = [
+            Case {
+                batch: 2,
+                heads: 4,
+                kv_heads: 2,
+                seq_q: 37,
+                seq_k: 37,
+                head_dim: 64,
+                causal: true,
+                window: None,
+                sinks: true,
+                key_lengths: None,
+                seq_major: true,
+            },
+            Case {
+                batch: 1,
+                heads: 8,
+                kv_heads: 1,
+                seq_q: 20,
+                seq_k: 20,
+                head_dim: 80,
+                causal: true,
+                window: Some(5),
+                sinks: true,
+                key_lengths: Some(vec![13]),
+                seq_major: false,
+            },
+            Case {
+                batch: 2,
+                heads: 2,
+                kv_heads: 2,
+                seq_q: 9,
+                seq_k: 12,
+                head_dim: 64,
+                causal: false,
+                window: None,
+                sinks: false,
+                key_lengths: Some(vec![12, 5]),
+                seq_major: false,
+            },
+        ];
+        for &dtype in dtypes {
+            for c in &cases {
+                check::<B>(c, dtype, name, device, &mut rng);
+            }
+        }
+    }
+}
+
+#[test]
+fn attention_fused_and_composite_match_reference_under_autodiff() {
+    for_each_backend(&AutodiffMatches);
+}
+
+struct ModuleOps;
+
+impl BackendTest for ModuleOps {
+    fn run<B>(&self, device: &B::Device, name: &str, _dtypes: &[DType])
+    where
+        B: bastile::ops::KernelBackend + BastileBackend,
+    {
+        bastile::ops::attention::set_fused_from(0);
+        let mut rng = Rng::fresh();
+        let dims = [2, 3, 21, 64];
+        let n = dims.iter().product();
+        let x: Vec<Vec<f64>> = (0..3)
+            .map(|_| randn(&mut rng, n, 0.0, 1.0, DType::F32))
+            .collect();
+        let t = |i: usize| tensor::<Bastile<B>, 4>(&x[i], dims, DType::F32, device);
+        let plain = |i: usize| tensor::<B, 4>(&x[i], dims, DType::F32, device);
+        for causal in [false, true] {
+            let options = AttentionModuleOptions {
+                scale: None,
+                softcap: None,
+                is_causal: causal,
+            };
+            let ours = burn::tensor::module::attention(t(0), t(1), t(2), None, None, options);
+            let burn_own =
+                burn::tensor::module::attention(plain(0), plain(1), plain(2), None, None, options);
+            assert_close(
+                &format!("{name} module attention causal {causal}"),
+                &values(ours),
+                &values(burn_own),
+                1e-4,
+                rng.seed(),
+            );
+        }
+    }
+}
+
+#[test]
+fn burn_module_attention_on_bastile_matches_the_inner_backend() {
+    for_each_backend(&ModuleOps);
+}
+
+#[test]
+fn attention_rejects_bad_input() {
+    type B = Bastile<burn::backend::NdArray>;
+    let device = Default::default();
+    let t = |dims: [usize; 4]| Tensor::<B, 4>::zeros(dims, &device);
+    let ok = AttentionOptions::default();
+    let shape_err =
+        |r: Result<Tensor<B, 4>, BastileError>| matches!(r, Err(BastileError::Shape(_)));
+    // Heads not a multiple of the kv heads; head dims that differ; values
+    // unlike keys; empty sequences; sinks of the wrong length.
+    assert!(shape_err(attention(
+        t([1, 3, 4, 8]),
+        t([1, 2, 4, 8]),
+        t([1, 2, 4, 8]),
+        None,
+        None,
+        ok
+    )));
+    assert!(shape_err(attention(
+        t([1, 2, 4, 8]),
+        t([1, 2, 4, 4]),
+        t([1, 2, 4, 4]),
+        None,
+        None,
+        ok
+    )));
+    assert!(shape_err(attention(
+        t([1, 2, 4, 8]),
+        t([1, 2, 4, 8]),
+        t([1, 2, 5, 8]),
+        None,
+        None,
+        ok
+    )));
+    assert!(shape_err(attention(
+        t([1, 2, 0, 8]),
+        t([1, 2, 4, 8]),
+        t([1, 2, 4, 8]),
+        None,
+        None,
+        ok
+    )));
+    let sinks = Some(Tensor::<B, 1>::zeros([3], &device));
+    assert!(shape_err(attention(
+        t([1, 2, 4, 8]),
+        t([1, 2, 4, 8]),
+        t([1, 2, 4, 8]),
+        sinks,
+        None,
+        ok
+    )));
+    let lengths = Some(Tensor::<B, 1, Int>::zeros([2], &device));
+    assert!(shape_err(attention(
+        t([1, 2, 4, 8]),
+        t([1, 2, 4, 8]),
+        t([1, 2, 4, 8]),
+        None,
+        lengths,
+        ok
+    )));
+    let config_err =
+        |r: Result<Tensor<B, 4>, BastileError>| matches!(r, Err(BastileError::Config(_)));
+    let zero_window = AttentionOptions {
+        window: Some(0),
+        ..ok
+    };
+    assert!(config_err(attention(
+        t([1, 2, 4, 8]),
+        t([1, 2, 4, 8]),
+        t([1, 2, 4, 8]),
+        None,
+        None,
+        zero_window
+    )));
+    let bad_scale = AttentionOptions {
+        scale: Some(f64::NAN),
+        ..ok
+    };
+    assert!(config_err(attention(
+        t([1, 2, 4, 8]),
+        t([1, 2, 4, 8]),
+        t([1, 2, 4, 8]),
+        None,
+        None,
+        bad_scale
+    )));
+}

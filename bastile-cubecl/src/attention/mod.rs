@@ -1,0 +1,541 @@
+//! Fused attention for training: flash-style forward and backward.
+//!
+//! For each batch entry `b` and query head `h` (key/value head
+//! `h / (heads / kv_heads)`: GQA without a materialized repeat):
+//!
+//! ```text
+//! sᵢⱼ   = scale · qᵢ·kⱼ          where key j is allowed for query i, else absent
+//! lseᵢ  = log(exp(sink_h) + Σⱼ exp(sᵢⱼ))      (no sink term without sinks)
+//! oᵢ    = Σⱼ exp(sᵢⱼ − lseᵢ) · vⱼ
+//! ```
+//!
+//! Key `j` is allowed for query `i` when `j < key_length[b]`, and, with the
+//! query at key position `pᵢ = i + seq_k − seq_q` (bottom-right aligned, as
+//! Burn's causal mask), `j ≤ pᵢ` when causal and `pᵢ − j < window` with a
+//! sliding window. A row that sees no key and has no sink outputs zeros.
+//!
+//! The forward saves only `o` and `lse` (f32); the backward recomputes the
+//! scores block by block, so no `[seq, seq]` buffer ever exists. Scores,
+//! softmax statistics and every accumulator are f32 whatever the input
+//! dtype. Tensors are `[batch, heads, seq, head_dim]` with any batch, head
+//! and row strides and a unit-stride head dim.
+//!
+//! This is the portable path (shared-memory tiles, f32 FMA on any
+//! CubeCL runtime); block sizes are autotuned per (sequence lengths,
+//! head dim, dtype, masks).
+
+mod backward;
+mod forward;
+mod tile;
+
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+use cubecl::tune::{LocalTuner, local_tuner};
+
+pub use tile::AttnTile;
+
+use crate::tune::{CandidateCache, Tuner, run_tuned};
+use crate::{FloatDtype, KernelError, launch};
+
+/// One attention problem. Query `[batch, heads, seq_q, head_dim]`, key and
+/// value `[batch, kv_heads, seq_k, head_dim]`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionProblem {
+    pub batch: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub seq_q: usize,
+    pub seq_k: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+    pub causal: bool,
+    /// Keys fewer than this many positions behind the query are visible.
+    pub window: Option<usize>,
+    /// One extra softmax logit per query head (`sinks`, f32 `[heads]`).
+    pub sinks: bool,
+    /// Per batch entry, how many keys are real (`key_lengths`, i32
+    /// `[batch]`); the rest are padding.
+    pub key_lengths: bool,
+    pub dtype: FloatDtype,
+}
+
+impl AttentionProblem {
+    fn validate(&self) -> Result<(), KernelError> {
+        let dims = [
+            self.batch,
+            self.heads,
+            self.kv_heads,
+            self.seq_q,
+            self.seq_k,
+            self.head_dim,
+        ];
+        if dims.contains(&0) {
+            return Err(KernelError::Shape(format!(
+                "attention needs non-empty dimensions, got {self:?}"
+            )));
+        }
+        if !self.heads.is_multiple_of(self.kv_heads) {
+            return Err(KernelError::Shape(format!(
+                "{} query heads are not a multiple of {} key/value heads",
+                self.heads, self.kv_heads
+            )));
+        }
+        if (self.causal || self.window.is_some()) && self.seq_k < self.seq_q {
+            return Err(KernelError::Shape(format!(
+                "a causal or windowed mask needs at least as many keys ({}) as queries ({})",
+                self.seq_k, self.seq_q
+            )));
+        }
+        if self.window == Some(0) {
+            return Err(KernelError::Shape(
+                "a sliding window must hold at least one position".into(),
+            ));
+        }
+        if !self.scale.is_finite() {
+            return Err(KernelError::Shape(format!(
+                "the softmax scale must be finite, got {}",
+                self.scale
+            )));
+        }
+        Ok(())
+    }
+
+    fn group(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+
+    /// Query rows over all batch entries and heads (`lse`, `delta` length).
+    pub fn query_rows(&self) -> usize {
+        self.batch * self.heads * self.seq_q
+    }
+
+    fn pitch(&self) -> u32 {
+        (self.head_dim + 4 / self.dtype.size()) as u32
+    }
+}
+
+/// A `[batch, heads, seq, head_dim]` tensor: its buffer and its batch, head
+/// and row strides in elements (the head dim is unit stride).
+#[derive(Clone, Debug)]
+pub struct HeadLayout {
+    pub handle: Handle,
+    pub strides: [usize; 3],
+}
+
+impl HeadLayout {
+    /// A dense `[batch, heads, seq, head_dim]` tensor.
+    pub fn dense(handle: Handle, heads: usize, seq: usize, head_dim: usize) -> Self {
+        Self {
+            handle,
+            strides: [heads * seq * head_dim, seq * head_dim, head_dim],
+        }
+    }
+
+    fn arg<R: Runtime>(&self, batch: usize, heads: usize, seq: usize, d: usize) -> TensorArg<R> {
+        let [sb, sh, ss] = self.strides;
+        let len = (batch - 1) * sb + (heads - 1) * sh + (seq - 1) * ss + d;
+        flat_arg(&self.handle, len)
+    }
+}
+
+fn flat_arg<R: Runtime>(handle: &Handle, len: usize) -> TensorArg<R> {
+    unsafe { TensorArg::from_raw_parts(handle.clone(), [1].into(), [len].into()) }
+}
+
+/// The forward's buffers. `lse` is f32 `[batch, heads, seq_q]` (dense).
+#[derive(Clone, Debug)]
+pub struct AttentionForwardBuffers {
+    pub q: HeadLayout,
+    pub k: HeadLayout,
+    pub v: HeadLayout,
+    pub out: HeadLayout,
+    pub lse: Handle,
+    pub sinks: Option<Handle>,
+    pub key_lengths: Option<Handle>,
+}
+
+/// The backward's buffers: the forward's inputs and results, the output
+/// gradient, the three input gradients, an f32 scratch of one value per
+/// query row (`delta`) and, with sinks, each query row's share of the sink
+/// gradient (`dsink_rows`, f32 `[batch, heads, seq_q]`: the sink gradient
+/// is its sum over batch and rows).
+#[derive(Clone, Debug)]
+pub struct AttentionBackwardBuffers {
+    pub q: HeadLayout,
+    pub k: HeadLayout,
+    pub v: HeadLayout,
+    pub out: HeadLayout,
+    pub dout: HeadLayout,
+    pub lse: Handle,
+    pub sinks: Option<Handle>,
+    pub key_lengths: Option<Handle>,
+    pub dq: HeadLayout,
+    pub dk: HeadLayout,
+    pub dv: HeadLayout,
+    pub delta: Handle,
+    pub dsink_rows: Option<Handle>,
+}
+
+/// One launch configuration: a cube owns `rows` rows, streams blocks of
+/// `cols` rows, and `upr` units share a row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct AttnLaunch {
+    pub rows: u32,
+    pub cols: u32,
+    pub upr: u32,
+}
+
+/// Static shared memory stays within what every CUDA kernel may declare
+/// without opting in, whatever more the device could give.
+const SHARED_LIMIT: usize = 48 * 1024;
+
+impl AttnLaunch {
+    fn tile(&self, problem: &AttentionProblem) -> AttnTile {
+        AttnTile {
+            rows: self.rows,
+            cols: self.cols,
+            upr: self.upr,
+            head_dim: problem.head_dim as u32,
+            pitch: problem.pitch(),
+            causal: problem.causal,
+            window: problem.window.is_some(),
+            sinks: problem.sinks,
+            key_lengths: problem.key_lengths,
+        }
+    }
+
+    fn units(&self) -> u32 {
+        self.rows * self.upr
+    }
+
+    /// Shared memory of the forward (`backward == false`) or of the larger
+    /// backward kernel.
+    fn shared_bytes(&self, problem: &AttentionProblem, backward: bool) -> usize {
+        let (rows, cols) = (self.rows as usize, self.cols as usize);
+        let tile = problem.pitch() as usize * problem.dtype.size();
+        if backward {
+            2 * (rows + cols) * tile + 2 * rows * cols * 4
+        } else {
+            (rows + cols) * tile + rows * cols * 4 + rows * self.upr as usize * 4
+        }
+    }
+
+    fn check<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        problem: &AttentionProblem,
+        backward: bool,
+    ) -> Result<AttnTile, KernelError> {
+        let d = problem.head_dim as u32;
+        if self.upr == 0
+            || self.rows == 0
+            || !d.is_multiple_of(self.upr)
+            || !self.cols.is_multiple_of(self.upr)
+        {
+            return Err(KernelError::Unsupported(format!(
+                "{self:?} does not tile head dim {d}"
+            )));
+        }
+        let shared = self.shared_bytes(problem, backward);
+        if shared > SHARED_LIMIT {
+            return Err(KernelError::Unsupported(format!(
+                "{self:?} needs {shared} bytes of shared memory, over {SHARED_LIMIT}"
+            )));
+        }
+        launch::check_cube_fits(client, self.units(), shared)?;
+        Ok(self.tile(problem))
+    }
+}
+
+fn dummy<R: Runtime>(client: &ComputeClient<R>) -> Handle {
+    client.empty(4)
+}
+
+fn seq_strides<R: Runtime>(layouts: &[&HeadLayout]) -> SequenceArg<R, usize> {
+    layouts.iter().flat_map(|l| l.strides).collect()
+}
+
+/// Launches the forward with one explicit configuration.
+pub fn forward_with<R: Runtime>(
+    client: &ComputeClient<R>,
+    problem: &AttentionProblem,
+    buffers: &AttentionForwardBuffers,
+    config: &AttnLaunch,
+) -> Result<(), KernelError> {
+    problem.validate()?;
+    let t = config.check(client, problem, false)?;
+    let p = problem;
+    let q_blocks = p.seq_q.div_ceil(config.rows as usize);
+    let count = launch::cube_count(client, p.batch * p.heads * q_blocks)?;
+    let b = &buffers;
+    let strides = seq_strides(&[&b.q, &b.k, &b.v, &b.out]);
+    let sinks = b.sinks.clone().unwrap_or_else(|| dummy(client));
+    let lengths = b.key_lengths.clone().unwrap_or_else(|| dummy(client));
+    unsafe {
+        forward::attention_forward_kernel::launch_unchecked::<R>(
+            client,
+            count,
+            CubeDim::new_1d(config.units()),
+            b.q.arg(p.batch, p.heads, p.seq_q, p.head_dim),
+            b.k.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
+            b.v.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
+            b.out.arg(p.batch, p.heads, p.seq_q, p.head_dim),
+            flat_arg(&b.lse, p.query_rows()),
+            flat_arg(&sinks, p.heads.max(1)),
+            flat_arg(&lengths, p.batch),
+            strides,
+            p.batch,
+            p.heads,
+            p.group(),
+            p.seq_q,
+            p.seq_k,
+            q_blocks,
+            p.window.unwrap_or(0),
+            p.scale,
+            t,
+            p.dtype.storage(),
+        )
+    }
+    Ok(())
+}
+
+/// Launches the backward (delta, dK/dV, dQ) with one explicit
+/// configuration: the dQ kernel owns `rows` query rows and streams `cols`
+/// keys; the dK/dV kernel owns `rows` key rows and streams `cols` queries.
+pub fn backward_with<R: Runtime>(
+    client: &ComputeClient<R>,
+    problem: &AttentionProblem,
+    buffers: &AttentionBackwardBuffers,
+    config: &AttnLaunch,
+) -> Result<(), KernelError> {
+    problem.validate()?;
+    let t = config.check(client, problem, true)?;
+    let p = problem;
+    let b = &buffers;
+    let strides = || seq_strides(&[&b.q, &b.k, &b.v, &b.out, &b.dout, &b.dq, &b.dk, &b.dv]);
+    let sinks = b.sinks.clone().unwrap_or_else(|| dummy(client));
+    let lengths = b.key_lengths.clone().unwrap_or_else(|| dummy(client));
+    let dsink_rows = b.dsink_rows.clone().unwrap_or_else(|| dummy(client));
+    let rows = p.query_rows();
+    let units = config.units() as usize;
+    let q_arg = || b.q.arg(p.batch, p.heads, p.seq_q, p.head_dim);
+    let k_arg = || b.k.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim);
+    let v_arg = || b.v.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim);
+    let do_arg = || b.dout.arg(p.batch, p.heads, p.seq_q, p.head_dim);
+    let stat = |h: &Handle| flat_arg::<R>(h, rows);
+    let lengths_arg = || flat_arg::<R>(&lengths, p.batch);
+    unsafe {
+        backward::attention_delta_kernel::launch_unchecked::<R>(
+            client,
+            launch::cube_count(client, rows.div_ceil(units))?,
+            CubeDim::new_1d(config.units()),
+            b.out.arg(p.batch, p.heads, p.seq_q, p.head_dim),
+            do_arg(),
+            stat(&b.lse),
+            flat_arg(&sinks, p.heads),
+            stat(&b.delta),
+            flat_arg(&dsink_rows, if p.sinks { rows } else { 1 }),
+            strides(),
+            p.heads,
+            p.seq_q,
+            rows,
+            t,
+            p.dtype.storage(),
+        );
+        let k_blocks = p.seq_k.div_ceil(config.rows as usize);
+        backward::attention_dkdv_kernel::launch_unchecked::<R>(
+            client,
+            launch::cube_count(client, p.batch * p.kv_heads * k_blocks)?,
+            CubeDim::new_1d(config.units()),
+            q_arg(),
+            k_arg(),
+            v_arg(),
+            do_arg(),
+            stat(&b.lse),
+            stat(&b.delta),
+            lengths_arg(),
+            b.dk.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
+            b.dv.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
+            strides(),
+            p.batch,
+            p.heads,
+            p.group(),
+            p.seq_q,
+            p.seq_k,
+            k_blocks,
+            p.window.unwrap_or(0),
+            p.scale,
+            t,
+            p.dtype.storage(),
+        );
+        let q_blocks = p.seq_q.div_ceil(config.rows as usize);
+        backward::attention_dq_kernel::launch_unchecked::<R>(
+            client,
+            launch::cube_count(client, p.batch * p.heads * q_blocks)?,
+            CubeDim::new_1d(config.units()),
+            q_arg(),
+            k_arg(),
+            v_arg(),
+            do_arg(),
+            stat(&b.lse),
+            stat(&b.delta),
+            lengths_arg(),
+            b.dq.arg(p.batch, p.heads, p.seq_q, p.head_dim),
+            strides(),
+            p.batch,
+            p.heads,
+            p.group(),
+            p.seq_q,
+            p.seq_k,
+            q_blocks,
+            p.window.unwrap_or(0),
+            p.scale,
+            t,
+            p.dtype.storage(),
+        );
+    }
+    Ok(())
+}
+
+/// Every configuration that fits `problem` on this device, for the forward
+/// or the backward.
+pub fn candidates<R: Runtime>(
+    client: &ComputeClient<R>,
+    problem: &AttentionProblem,
+    backward: bool,
+) -> Vec<AttnLaunch> {
+    // Square blocks of 8 rows keep wide f32 heads within small shared
+    // memories (software Vulkan drivers offer 32 KiB); the larger ones are
+    // for GPUs.
+    const SHAPES: [(u32, u32, u32); 8] = [
+        (8, 8, 4),
+        (16, 16, 4),
+        (16, 16, 8),
+        (32, 32, 4),
+        (32, 32, 8),
+        (64, 32, 4),
+        (32, 64, 8),
+        (64, 64, 4),
+    ];
+    SHAPES
+        .into_iter()
+        .map(|(rows, cols, upr)| AttnLaunch { rows, cols, upr })
+        .filter(|c| c.check(client, problem, backward).is_ok())
+        .collect()
+}
+
+/// Whether the kernels take `problem` on this client: a valid problem, a
+/// dtype the device computes with, and a launch configuration that fits
+/// in each direction.
+pub fn supported<R: Runtime>(client: &ComputeClient<R>, problem: &AttentionProblem) -> bool {
+    problem.validate().is_ok()
+        && client.properties().supports_type(problem.dtype.storage())
+        && !candidates(client, problem, false).is_empty()
+        && !candidates(client, problem, true).is_empty()
+}
+
+/// The autotune key: what the best block shape depends on.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct AttnKey {
+    pub seq_q: usize,
+    pub seq_k: usize,
+    pub head_dim: usize,
+    pub dtype: FloatDtype,
+    pub causal: bool,
+    pub window: bool,
+    pub backward: bool,
+}
+
+impl core::fmt::Display for AttnKey {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(
+            f,
+            "attention{} q~{} k~{} d={} {}{}{}",
+            if self.backward { "_bwd" } else { "_fwd" },
+            self.seq_q,
+            self.seq_k,
+            self.head_dim,
+            self.dtype,
+            if self.causal { " causal" } else { "" },
+            if self.window { " window" } else { "" },
+        )
+    }
+}
+
+fn key(problem: &AttentionProblem, backward: bool) -> AttnKey {
+    AttnKey {
+        seq_q: problem.seq_q.next_power_of_two(),
+        seq_k: problem.seq_k.next_power_of_two(),
+        head_dim: problem.head_dim,
+        dtype: problem.dtype,
+        causal: problem.causal,
+        window: problem.window.is_some(),
+        backward,
+    }
+}
+
+static FORWARD_TUNER: Tuner<AttnKey> = local_tuner!("bastile-attention-forward");
+static BACKWARD_TUNER: Tuner<AttnKey> = local_tuner!("bastile-attention-backward");
+/// Candidate lists per device, head dim, dtype and direction.
+static CANDIDATES: CandidateCache<(usize, FloatDtype, bool), AttnLaunch> = CandidateCache::new();
+
+/// Forgets every tuning decision taken in this process.
+pub fn clear_autotune() {
+    FORWARD_TUNER.clear();
+    BACKWARD_TUNER.clear();
+}
+
+fn tuned_candidates<R: Runtime>(
+    client: &ComputeClient<R>,
+    device: &R::Device,
+    problem: &AttentionProblem,
+    backward: bool,
+) -> (cubecl::CubeTuneId, AttnKey, std::sync::Arc<Vec<AttnLaunch>>) {
+    let id = cubecl::CubeTuneId::new(client, device);
+    let key = key(problem, backward);
+    let class = (problem.head_dim, problem.dtype, backward);
+    let list = CANDIDATES.get(&id, class, || candidates(client, problem, backward));
+    (id, key, list)
+}
+
+/// Runs the forward with the autotuned configuration.
+pub fn forward<R: Runtime>(
+    client: &ComputeClient<R>,
+    device: &R::Device,
+    problem: &AttentionProblem,
+    buffers: &AttentionForwardBuffers,
+) -> Result<(), KernelError> {
+    problem.validate()?;
+    let (id, key, list) = tuned_candidates(client, device, problem, false);
+    run_tuned(
+        &FORWARD_TUNER,
+        key,
+        forward_with::<R>,
+        client,
+        &id,
+        problem,
+        buffers,
+        list,
+    )
+}
+
+/// Runs the backward with the autotuned configuration.
+pub fn backward<R: Runtime>(
+    client: &ComputeClient<R>,
+    device: &R::Device,
+    problem: &AttentionProblem,
+    buffers: &AttentionBackwardBuffers,
+) -> Result<(), KernelError> {
+    problem.validate()?;
+    let (id, key, list) = tuned_candidates(client, device, problem, true);
+    run_tuned(
+        &BACKWARD_TUNER,
+        key,
+        backward_with::<R>,
+        client,
+        &id,
+        problem,
+        buffers,
+        list,
+    )
+}

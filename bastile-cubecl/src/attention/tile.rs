@@ -1,0 +1,169 @@
+//! What the attention kernels share: the comptime tile, the mask test, and
+//! the cooperative load of a block of rows into shared memory.
+
+use cubecl::prelude::*;
+
+/// A score that is masked out. Finite, so that `m − MASKED` never forms
+/// `∞ − ∞`; entries at or below [`MASKED_BELOW`] are treated as absent.
+pub(crate) const MASKED: f32 = -3.0e38;
+/// Scores below this are masked entries (no real score is that small).
+pub(crate) const MASKED_BELOW: f32 = -1.0e38;
+
+/// The comptime shape of one launch. A cube owns `rows` rows (query rows
+/// in the forward and dQ kernels, key rows in the dK/dV kernel) and streams
+/// blocks of `cols` rows of the other side past them. `upr` units share a
+/// row: unit `lane` of a row owns the score columns `lane + j·upr` and the
+/// head-dim columns `lane + j·upr` of its accumulators, so row statistics
+/// only ever combine `upr` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AttnTile {
+    pub rows: u32,
+    pub cols: u32,
+    pub upr: u32,
+    pub head_dim: u32,
+    /// Shared-memory row pitch in elements: the head dim plus padding, so
+    /// that the units of one row reading different rows of a block hit
+    /// different banks.
+    pub pitch: u32,
+    pub causal: bool,
+    pub window: bool,
+    pub sinks: bool,
+    pub key_lengths: bool,
+}
+
+/// Whether query position `qpos` (already shifted to the keys' frame) may
+/// attend key `key`: a real key (below the batch entry's `klen`), not in
+/// the future when causal, and fewer than `window` positions back.
+#[cube]
+pub(crate) fn allowed(
+    qpos: usize,
+    key: usize,
+    klen: usize,
+    window: usize,
+    #[comptime] t: AttnTile,
+) -> bool {
+    let mut ok = key < klen;
+    if comptime![t.causal] {
+        ok = ok && key <= qpos;
+    }
+    if comptime![t.window] {
+        ok = ok && key + window > qpos;
+    }
+    ok
+}
+
+/// `(batch, head, block)` of this cube: cubes run over the blocks of one
+/// head first, then over heads, then over batch entries (the batch index
+/// may pass the batch size when the grid is rounded up).
+#[cube]
+pub(crate) fn cube_coords(blocks: usize, heads: usize) -> (usize, usize, usize) {
+    let cube = CUBE_POS;
+    (cube / blocks / heads, cube / blocks % heads, cube % blocks)
+}
+
+/// The number of keys of batch entry `b` that exist: `seq_k`, or its
+/// length from `key_lengths` (clamped to `[0, seq_k]`).
+#[cube]
+pub(crate) fn key_count(
+    key_lengths: &Tensor<i32>,
+    b: usize,
+    seq_k: usize,
+    #[comptime] t: AttnTile,
+) -> usize {
+    let mut klen = seq_k;
+    if comptime![t.key_lengths] {
+        let len = key_lengths[b];
+        klen = select(len < 0, 0usize, usize::cast_from(len));
+        klen = select(klen > seq_k, seq_k, klen);
+    }
+    klen
+}
+
+/// Copies rows `first .. first + rows` of one head (`base` is the head's
+/// start, rows `stride` apart, unit stride along the head dim) into
+/// `smem`, zero past `limit` rows. Every unit of the cube takes part.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn load_block<F: Float>(
+    src: &Tensor<F>,
+    base: usize,
+    stride: usize,
+    first: usize,
+    limit: usize,
+    smem: &mut SharedMemory<F>,
+    #[comptime] rows: u32,
+    #[comptime] t: AttnTile,
+) {
+    let units = comptime![(t.rows * t.upr) as usize];
+    let d = comptime![t.head_dim as usize];
+    let total = comptime![rows as usize * t.head_dim as usize];
+    let iters = comptime![total.div_ceil(units)];
+    let pitch = comptime![t.pitch as usize];
+    #[unroll]
+    for it in 0..iters {
+        let i = UNIT_POS as usize + it * units;
+        if i < total {
+            let r = i / d;
+            let c = i % d;
+            let mut value = F::cast_from(0.0f32);
+            if first + r < limit {
+                value = src[base + (first + r) * stride + c];
+            }
+            smem[r * pitch + c] = value;
+        }
+    }
+}
+
+/// Scores of one row against the block: entry `j` is the f32 dot product
+/// of row `a_row` of `a` with row `lane + j·upr` of `b` over the head dim.
+/// The row's element is read once per head-dim step for all `cols / upr`
+/// products.
+#[cube]
+pub(crate) fn row_scores<F: Float>(
+    a: &SharedMemory<F>,
+    a_row: usize,
+    b: &SharedMemory<F>,
+    lane: usize,
+    #[comptime] t: AttnTile,
+) -> Array<f32> {
+    let pitch = comptime![t.pitch as usize];
+    let upr = comptime![t.upr as usize];
+    let sc = comptime![(t.cols / t.upr) as usize];
+    let mut out = Array::<f32>::new(sc);
+    #[unroll]
+    for j in 0..sc {
+        out[j] = 0.0f32;
+    }
+    for d in 0..comptime![t.head_dim as usize] {
+        let x = f32::cast_from(a[a_row * pitch + d]);
+        #[unroll]
+        for j in 0..sc {
+            out[j] += x * f32::cast_from(b[(lane + j * upr) * pitch + d]);
+        }
+    }
+    out
+}
+
+/// `acc[j] += Σ_c weights[row, c] · block[c, lane + j·upr]`: one row of
+/// `weights` (f32, `rows × cols`) times a block of rows held in `block`.
+#[cube]
+pub(crate) fn accumulate<F: Float>(
+    acc: &mut Array<f32>,
+    weights: &SharedMemory<f32>,
+    row: usize,
+    block: &SharedMemory<F>,
+    lane: usize,
+    #[comptime] t: AttnTile,
+) {
+    let pitch = comptime![t.pitch as usize];
+    let upr = comptime![t.upr as usize];
+    let cols = comptime![t.cols as usize];
+    let dc = comptime![(t.head_dim / t.upr) as usize];
+    for c in 0..cols {
+        let w = weights[row * cols + c];
+        #[unroll]
+        for j in 0..dc {
+            acc[j] += w * f32::cast_from(block[c * pitch + lane + j * upr]);
+        }
+    }
+}

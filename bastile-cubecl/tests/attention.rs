@@ -1,0 +1,432 @@
+//! Attention kernels against the f64 reference: output, log-sum-exp, dq,
+//! dk, dv and the sink gradient, for every launch candidate, odd sequence
+//! lengths, every mask option, GQA ratios 1–8, sequence-major (strided)
+//! layouts and poisoned outputs.
+
+use bastile_cubecl::attention::{
+    self, AttentionBackwardBuffers, AttentionForwardBuffers, AttentionProblem, AttnLaunch,
+    HeadLayout,
+};
+use bastile_cubecl::reference::attention::{self as reference, AttentionSpec};
+use bastile_cubecl::testing::*;
+use bastile_cubecl::{FloatDtype, KernelError};
+use cubecl::prelude::*;
+
+#[derive(Clone, Debug)]
+struct Case {
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    seq_q: usize,
+    seq_k: usize,
+    head_dim: usize,
+    causal: bool,
+    window: Option<usize>,
+    sinks: bool,
+    key_lengths: Option<Vec<usize>>,
+    /// Store q, k, v, dout as `[batch, seq, heads, head_dim]` (what a
+    /// projection's reshape gives) instead of head-major.
+    seq_major: bool,
+}
+
+impl Case {
+    fn new(batch: usize, heads: usize, kv_heads: usize, seq: usize, head_dim: usize) -> Self {
+        Case {
+            batch,
+            heads,
+            kv_heads,
+            seq_q: seq,
+            seq_k: seq,
+            head_dim,
+            causal: true,
+            window: None,
+            sinks: false,
+            key_lengths: None,
+            seq_major: false,
+        }
+    }
+}
+
+/// `[batch, heads, seq, d]` values laid out as the case says, with their
+/// layout.
+fn place<R: Runtime>(
+    client: &ComputeClient<R>,
+    dtype: FloatDtype,
+    values: &[f64],
+    dims: [usize; 4],
+    seq_major: bool,
+) -> HeadLayout {
+    let [b, h, s, d] = dims;
+    if !seq_major {
+        return HeadLayout::dense(upload(client, dtype, values), h, s, d);
+    }
+    let mut out = vec![0.0; values.len()];
+    for bi in 0..b {
+        for hi in 0..h {
+            for si in 0..s {
+                let from = ((bi * h + hi) * s + si) * d;
+                let to = ((bi * s + si) * h + hi) * d;
+                out[to..to + d].copy_from_slice(&values[from..from + d]);
+            }
+        }
+    }
+    HeadLayout {
+        handle: upload(client, dtype, &out),
+        strides: [s * h * d, d, h * d],
+    }
+}
+
+fn poisoned_layout<R: Runtime>(
+    client: &ComputeClient<R>,
+    dtype: FloatDtype,
+    dims: [usize; 4],
+) -> HeadLayout {
+    let [b, h, s, d] = dims;
+    HeadLayout::dense(poisoned(client, dtype, b * h * s * d), h, s, d)
+}
+
+fn rounded(rng: &mut Rng, dtype: FloatDtype, n: usize, std: f64) -> Vec<f64> {
+    rng.normals(n, 0.0, std)
+        .into_iter()
+        .map(|v| round_to(dtype, v))
+        .collect()
+}
+
+fn check<R: Runtime>(
+    client: &ComputeClient<R>,
+    device: &R::Device,
+    case: &Case,
+    dtype: FloatDtype,
+    config: Option<&AttnLaunch>,
+    rng: &mut Rng,
+) {
+    let seed = rng.seed();
+    let what = format!("{case:?} {dtype} {config:?} seed {seed}");
+    let c = case;
+    let scale = 1.0 / (c.head_dim as f64).sqrt();
+    let q_dims = [c.batch, c.heads, c.seq_q, c.head_dim];
+    let k_dims = [c.batch, c.kv_heads, c.seq_k, c.head_dim];
+    let n_q = c.batch * c.heads * c.seq_q * c.head_dim;
+    let n_k = c.batch * c.kv_heads * c.seq_k * c.head_dim;
+    // Scores of a few units: softmaxes that are neither flat nor one-hot.
+    let q = rounded(rng, dtype, n_q, 1.5);
+    let k = rounded(rng, dtype, n_k, 1.5);
+    let v = rounded(rng, dtype, n_k, 1.0);
+    let dout = rounded(rng, dtype, n_q, 1.0);
+    let sinks: Vec<f64> = rng.normals(c.heads, 1.0, 1.0);
+    let spec = AttentionSpec {
+        batch: c.batch,
+        heads: c.heads,
+        kv_heads: c.kv_heads,
+        seq_q: c.seq_q,
+        seq_k: c.seq_k,
+        head_dim: c.head_dim,
+        scale,
+        causal: c.causal,
+        window: c.window,
+        key_lengths: c.key_lengths.clone(),
+        sinks: c.sinks.then(|| sinks.clone()),
+    };
+    let (out_ref, lse_ref) = reference::forward(&spec, &q, &k, &v);
+    let grads_ref = reference::backward(&spec, &q, &k, &v, &dout);
+
+    let problem = AttentionProblem {
+        batch: c.batch,
+        heads: c.heads,
+        kv_heads: c.kv_heads,
+        seq_q: c.seq_q,
+        seq_k: c.seq_k,
+        head_dim: c.head_dim,
+        scale: scale as f32,
+        causal: c.causal,
+        window: c.window,
+        sinks: c.sinks,
+        key_lengths: c.key_lengths.is_some(),
+        dtype,
+    };
+    let rows = problem.query_rows();
+    let sinks_h = c.sinks.then(|| upload(client, FloatDtype::F32, &sinks));
+    let lengths_h = c.key_lengths.as_ref().map(|l| {
+        let bytes: Vec<u8> = l.iter().flat_map(|&n| (n as i32).to_le_bytes()).collect();
+        client.create_from_slice(&bytes)
+    });
+    let fwd = AttentionForwardBuffers {
+        q: place(client, dtype, &q, q_dims, c.seq_major),
+        k: place(client, dtype, &k, k_dims, c.seq_major),
+        v: place(client, dtype, &v, k_dims, c.seq_major),
+        out: poisoned_layout(client, dtype, q_dims),
+        lse: poisoned(client, FloatDtype::F32, rows),
+        sinks: sinks_h.clone(),
+        key_lengths: lengths_h.clone(),
+    };
+    match config {
+        Some(cfg) => attention::forward_with(client, &problem, &fwd, cfg).unwrap(),
+        None => attention::forward(client, device, &problem, &fwd).unwrap(),
+    }
+    let out = download(client, dtype, fwd.out.handle.clone());
+    assert_close(
+        &format!("out {what}"),
+        &out,
+        &out_ref,
+        tolerance(dtype),
+        seed,
+    );
+    let lse = download(client, FloatDtype::F32, fwd.lse.clone());
+    for (i, (&a, &e)) in lse.iter().zip(&lse_ref).enumerate() {
+        if e.is_finite() {
+            assert!(
+                (a - e).abs() <= 1e-4 * (1.0 + e.abs()),
+                "lse {what}: row {i} is {a}, expected {e}"
+            );
+        }
+    }
+
+    let bwd = AttentionBackwardBuffers {
+        q: fwd.q.clone(),
+        k: fwd.k.clone(),
+        v: fwd.v.clone(),
+        out: fwd.out.clone(),
+        dout: place(client, dtype, &dout, q_dims, c.seq_major),
+        lse: fwd.lse.clone(),
+        sinks: sinks_h,
+        key_lengths: lengths_h,
+        dq: poisoned_layout(client, dtype, q_dims),
+        dk: poisoned_layout(client, dtype, k_dims),
+        dv: poisoned_layout(client, dtype, k_dims),
+        delta: poisoned(client, FloatDtype::F32, rows),
+        dsink_rows: c.sinks.then(|| poisoned(client, FloatDtype::F32, rows)),
+    };
+    match config {
+        Some(cfg) => attention::backward_with(client, &problem, &bwd, cfg).unwrap(),
+        None => attention::backward(client, device, &problem, &bwd).unwrap(),
+    }
+    // The output the backward reads is the kernel's own (rounded to the
+    // dtype); the reference's Δ uses the exact one, which the tolerance of
+    // the dtype covers.
+    let tol = tolerance(dtype) * if dtype == FloatDtype::F32 { 4.0 } else { 1.0 };
+    for (name, h, expected) in [
+        ("dq", &bwd.dq, &grads_ref.dq),
+        ("dk", &bwd.dk, &grads_ref.dk),
+        ("dv", &bwd.dv, &grads_ref.dv),
+    ] {
+        let got = download(client, dtype, h.handle.clone());
+        assert_close(&format!("{name} {what}"), &got, expected, tol, seed);
+    }
+    if let Some(rows_h) = &bwd.dsink_rows {
+        let per_row = download(client, FloatDtype::F32, rows_h.clone());
+        let mut dsinks = vec![0.0; c.heads];
+        for (r, v) in per_row.iter().enumerate() {
+            dsinks[r / c.seq_q % c.heads] += v;
+        }
+        assert_close(
+            &format!("dsinks {what}"),
+            &dsinks,
+            &grads_ref.dsinks,
+            tol,
+            seed,
+        );
+    }
+}
+
+struct EveryCandidate;
+
+impl RuntimeTest for EveryCandidate {
+    fn run<R: Runtime>(&self, device: &R::Device, runtime: &str, dtypes: &[FloatDtype]) {
+        let client = R::client(device);
+        let mut rng = Rng::fresh();
+        for dtype in supported_dtypes(&client, dtypes) {
+            let mut case = Case::new(2, 4, 2, 37, 64);
+            case.sinks = true;
+            let problem = |c: &Case| AttentionProblem {
+                batch: c.batch,
+                heads: c.heads,
+                kv_heads: c.kv_heads,
+                seq_q: c.seq_q,
+                seq_k: c.seq_k,
+                head_dim: c.head_dim,
+                scale: 0.125,
+                causal: c.causal,
+                window: c.window,
+                sinks: c.sinks,
+                key_lengths: false,
+                dtype,
+            };
+            let fwd = attention::candidates(&client, &problem(&case), false);
+            let bwd = attention::candidates(&client, &problem(&case), true);
+            assert!(
+                fwd.len() >= 4 && bwd.len() >= 2,
+                "{runtime}: {fwd:?} {bwd:?}"
+            );
+            // Each forward candidate once; the backward ones take turns.
+            for (i, cfg) in fwd.iter().enumerate() {
+                let cfg = if bwd.contains(cfg) {
+                    cfg
+                } else {
+                    &bwd[i % bwd.len()]
+                };
+                check(&client, device, &case, dtype, Some(cfg), &mut rng);
+            }
+        }
+    }
+}
+
+#[test]
+fn attention_every_candidate_matches_reference() {
+    for_each_runtime(&EveryCandidate);
+}
+
+struct Options;
+
+impl RuntimeTest for Options {
+    fn run<R: Runtime>(&self, device: &R::Device, _runtime: &str, dtypes: &[FloatDtype]) {
+        let client = R::client(device);
+        let mut rng = Rng::fresh();
+        let mut cases = Vec::new();
+        for (seq, ratio) in [(1usize, 1usize), (7, 2), (129, 4), (65, 8)] {
+            let mut c = Case::new(1, 8, 8 / ratio, seq, 64);
+            c.causal = seq % 2 == 1;
+            cases.push(c);
+        }
+        let mut window = Case::new(2, 4, 2, 150, 64);
+        window.window = Some(20);
+        window.sinks = true;
+        cases.push(window.clone());
+        window.window = Some(1);
+        window.sinks = false;
+        cases.push(window);
+        let mut padded = Case::new(3, 2, 1, 45, 80);
+        padded.key_lengths = Some(vec![45, 17, 0]);
+        padded.sinks = true;
+        cases.push(padded.clone());
+        padded.sinks = false;
+        cases.push(padded);
+        let mut strided = Case::new(2, 4, 4, 33, 128);
+        strided.seq_major = true;
+        strided.causal = false;
+        cases.push(strided.clone());
+        strided.causal = true;
+        strided.seq_k = 50;
+        cases.push(strided);
+        let mut cross = Case::new(1, 2, 1, 9, 64);
+        cross.causal = false;
+        cross.seq_k = 4;
+        cases.push(cross);
+        for dtype in supported_dtypes(&client, dtypes) {
+            for (i, case) in cases.iter().enumerate() {
+                let problem = AttentionProblem {
+                    batch: case.batch,
+                    heads: case.heads,
+                    kv_heads: case.kv_heads,
+                    seq_q: case.seq_q,
+                    seq_k: case.seq_k,
+                    head_dim: case.head_dim,
+                    scale: 1.0,
+                    causal: case.causal,
+                    window: case.window,
+                    sinks: case.sinks,
+                    key_lengths: case.key_lengths.is_some(),
+                    dtype,
+                };
+                // Rotate through the launch candidates of the problem.
+                let list = attention::candidates(&client, &problem, true);
+                check(
+                    &client,
+                    device,
+                    case,
+                    dtype,
+                    Some(&list[i % list.len()]),
+                    &mut rng,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn attention_masks_gqa_sinks_padding_and_layouts_match_reference() {
+    for_each_runtime(&Options);
+}
+
+struct Tuned;
+
+impl RuntimeTest for Tuned {
+    fn run<R: Runtime>(&self, device: &R::Device, runtime: &str, dtypes: &[FloatDtype]) {
+        let client = R::client(device);
+        let mut rng = Rng::fresh();
+        let seq = if runtime == "cuda" { 1000 } else { 300 };
+        for dtype in supported_dtypes(&client, dtypes) {
+            let mut case = Case::new(1, 4, 2, seq, 64);
+            case.sinks = true;
+            check(&client, device, &case, dtype, None, &mut rng);
+        }
+    }
+}
+
+#[test]
+fn attention_autotuned_matches_reference_on_long_sequences() {
+    for_each_runtime(&Tuned);
+}
+
+struct Rejects;
+
+impl RuntimeTest for Rejects {
+    fn run<R: Runtime>(&self, device: &R::Device, _runtime: &str, _dtypes: &[FloatDtype]) {
+        let client = R::client(device);
+        let layout = || HeadLayout::dense(client.empty(4096), 2, 4, 64);
+        let buffers = AttentionForwardBuffers {
+            q: layout(),
+            k: layout(),
+            v: layout(),
+            out: layout(),
+            lse: client.empty(64),
+            sinks: None,
+            key_lengths: None,
+        };
+        let base = AttentionProblem {
+            batch: 1,
+            heads: 2,
+            kv_heads: 2,
+            seq_q: 4,
+            seq_k: 4,
+            head_dim: 64,
+            scale: 0.125,
+            causal: true,
+            window: None,
+            sinks: false,
+            key_lengths: false,
+            dtype: FloatDtype::F32,
+        };
+        for bad in [
+            AttentionProblem {
+                kv_heads: 3,
+                ..base
+            },
+            AttentionProblem { seq_q: 0, ..base },
+            AttentionProblem { seq_k: 3, ..base },
+            AttentionProblem {
+                window: Some(0),
+                ..base
+            },
+            AttentionProblem {
+                scale: f32::NAN,
+                ..base
+            },
+        ] {
+            let err = attention::forward(&client, device, &bad, &buffers).unwrap_err();
+            assert!(matches!(err, KernelError::Shape(_)), "{bad:?}: {err}");
+        }
+        // A head dim no tiling divides is refused, not launched.
+        let odd = AttentionProblem {
+            head_dim: 63,
+            ..base
+        };
+        assert!(attention::candidates(&client, &odd, false).is_empty());
+        let err = attention::forward(&client, device, &odd, &buffers).unwrap_err();
+        assert!(matches!(err, KernelError::Unsupported(_)), "{err}");
+    }
+}
+
+#[test]
+fn attention_rejects_bad_problems() {
+    for_each_runtime(&Rejects);
+}

@@ -1,0 +1,83 @@
+"""PyTorch scaled_dot_product_attention on the shapes of
+`cargo xtask bench --op attention` (b 1, hq 16, hkv 8, d 128, causal, bf16):
+forward and forward+backward time, causal TFLOP/s counted the same way
+(half the score matrix; backward = 2.5 forwards) and peak memory.
+
+Usage: python3 attention_torch.py [--seq 2048,4096,8192,16384] [--out results.json]
+"""
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+B, HQ, HKV, D = 1, 16, 8, 128
+
+
+def median_ms(fn, samples=10):
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(samples):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seq", default="2048,4096,8192,16384")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    rows = []
+    for seq in [int(s) for s in args.seq.split(",")]:
+        q = torch.randn(B, HQ, seq, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(B, HKV, seq, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(B, HKV, seq, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+        def fwd():
+            with torch.no_grad():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        def fwd_bwd():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            out.sum().backward()
+
+        fwd_ms = median_ms(fwd)
+        torch.cuda.reset_peak_memory_stats()
+        both_ms = median_ms(fwd_bwd)
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        flops = 4.0 * B * HQ * D * seq * seq / 2
+        row = {
+            "shape": f"b{B} hq{HQ} hkv{HKV} d{D} causal",
+            "seq": seq,
+            "dtype": "bf16",
+            "implementation": "torch sdpa",
+            "fwd_ms": fwd_ms,
+            "fwd_tflops": flops / fwd_ms / 1e9,
+            "fwd_bwd_ms": both_ms,
+            "fwd_bwd_tflops": 3.5 * flops / both_ms / 1e9,
+            "peak_mib": peak,
+        }
+        print(
+            f"attention seq {seq:>6} torch    fwd {fwd_ms:9.3f} ms {row['fwd_tflops']:6.1f} TFLOP/s  "
+            f"fwd+bwd {both_ms:9.3f} ms {row['fwd_bwd_tflops']:6.1f} TFLOP/s  peak {peak:8.0f} MiB"
+        )
+        rows.append(row)
+        del q, k, v
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"torch": torch.__version__, "attention": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+//! Attention: `Bastile<B>`'s fused kernels against Burn's autodiff
+//! attention (the composite graph that saves the `[seq, seq]` scores),
+//! forward and forward+backward, in TFLOP/s (causal FLOPs: half the score
+//! matrix; the backward counted as 2.5 forwards, as flash-attention
+//! benchmarks do) and peak device memory.
+
+use bastile::{AttentionOptions, Bastile, BastileBackend, attention};
+use burn::backend::Autodiff;
+use burn::tensor::{DType, Distribution, Tensor};
+
+use crate::Args;
+use crate::report::{AttentionRow, Report};
+use crate::timing::median_seconds;
+use crate::train::TrainImpl;
+
+/// `(batch, heads, kv_heads, head_dim)`; the sequence lengths come from
+/// `--seq` and `--impl burn` / `--impl bastile` picks one side, so that
+/// each configuration can run in its own process (Burn's side runs out of
+/// memory first).
+const SHAPE: (usize, usize, usize, usize) = (1, 16, 8, 128);
+const TINY: (usize, usize, usize, usize) = (1, 4, 2, 64);
+
+fn inputs<X: BastileBackend>(
+    seq: usize,
+    shape: (usize, usize, usize, usize),
+    dtype: DType,
+    device: &X::Device,
+) -> [Tensor<X, 4>; 3] {
+    let (b, h, hk, d) = shape;
+    let n = Distribution::Normal(0.0, 1.0);
+    [
+        Tensor::<X, 4>::random([b, h, seq, d], n, device).cast(dtype),
+        Tensor::<X, 4>::random([b, hk, seq, d], n, device).cast(dtype),
+        Tensor::<X, 4>::random([b, hk, seq, d], n, device).cast(dtype),
+    ]
+}
+
+const CAUSAL: AttentionOptions = AttentionOptions {
+    scale: None,
+    causal: true,
+    window: None,
+};
+
+fn forward<X: BastileBackend>(x: &[Tensor<X, 4>; 3]) -> Tensor<X, 4> {
+    let [q, k, v] = x.clone();
+    attention(q, k, v, None, None, CAUSAL).expect("valid attention")
+}
+
+fn forward_backward<X: BastileBackend>(x: &[Tensor<Autodiff<X>, 4>; 3]) -> impl Sized {
+    let [q, k, v] = x.clone().map(|t| t.require_grad());
+    let out = attention(q, k, v, None, None, CAUSAL).expect("valid attention");
+    out.sum().backward()
+}
+
+/// Times one implementation at one length: `(fwd s, fwd+bwd s, peak MiB)`.
+fn measure<R, X>(
+    seq: usize,
+    shape: (usize, usize, usize, usize),
+    dtype: DType,
+    samples: usize,
+    device: &X::Device,
+) -> (f64, f64, f64)
+where
+    R: cubecl::Runtime<Device = X::Device>,
+    X: BastileBackend,
+{
+    let client = R::client(device);
+    let reserved = || client.memory_usage().map(|u| u.bytes_reserved).unwrap_or(0) as f64;
+    let sync = || X::sync(device).expect("device sync");
+    let x = inputs::<X>(seq, shape, dtype, device);
+    let fwd = median_seconds(samples, 2, |_| forward(&x), sync);
+    let xa = x.map(Tensor::<Autodiff<X>, 4>::from_inner);
+    // Tune and warm, release the pool's free blocks, then read the peak
+    // of one call.
+    drop(forward_backward(&xa));
+    sync();
+    X::memory_cleanup(device);
+    sync();
+    drop(forward_backward(&xa));
+    sync();
+    let peak = reserved() / (1u64 << 20) as f64;
+    let both = median_seconds(samples, 1, |_| forward_backward(&xa), sync);
+    (fwd, both, peak)
+}
+
+pub fn bench<R, B>(device: &B::Device, args: &Args, report: &mut Report)
+where
+    R: cubecl::Runtime<Device = B::Device>,
+    B: bastile::ops::KernelBackend + BastileBackend,
+{
+    let (shape, dtype, seqs) = if args.tiny {
+        (TINY, DType::F32, vec![64, 200])
+    } else {
+        (SHAPE, DType::BF16, args.seq.clone())
+    };
+    let (b, h, hk, d) = shape;
+    let samples = args.samples.clamp(1, 10);
+    for seq in seqs {
+        let causal_fwd = 4.0 * (b * h * d) as f64 * (seq * seq) as f64 / 2.0;
+        for implementation in ["bastile", "burn"] {
+            let wanted = match args.implementation {
+                None => true,
+                Some(TrainImpl::Burn) => implementation == "burn",
+                Some(_) => implementation == "bastile",
+            };
+            if !wanted {
+                continue;
+            }
+            let (fwd, both, peak) = if implementation == "bastile" {
+                measure::<R, Bastile<B>>(seq, shape, dtype, samples, device)
+            } else {
+                measure::<R, B>(seq, shape, dtype, samples, device)
+            };
+            let row = AttentionRow {
+                shape: format!("b{b} hq{h} hkv{hk} d{d} causal"),
+                seq,
+                dtype: format!("{dtype:?}").to_lowercase(),
+                implementation: implementation.into(),
+                fwd_ms: fwd * 1e3,
+                fwd_tflops: causal_fwd / fwd / 1e12,
+                fwd_bwd_ms: both * 1e3,
+                fwd_bwd_tflops: 3.5 * causal_fwd / both / 1e12,
+                peak_mib: peak,
+            };
+            eprintln!(
+                "attention seq {:>6} {:<8} fwd {:>9.3} ms {:>6.1} TFLOP/s  fwd+bwd {:>9.3} ms {:>6.1} TFLOP/s  peak {:>8.0} MiB",
+                row.seq,
+                row.implementation,
+                row.fwd_ms,
+                row.fwd_tflops,
+                row.fwd_bwd_ms,
+                row.fwd_bwd_tflops,
+                row.peak_mib
+            );
+            report.attention.push(row);
+        }
+    }
+}
