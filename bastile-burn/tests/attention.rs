@@ -2,7 +2,8 @@
 //! `Autodiff<B>` (composite graph) against the f64 reference, output and
 //! the gradients of q, k, v and the sinks; every mask option, GQA,
 //! sequence-major views read in place; Burn's own `module::attention` on
-//! `Bastile<B>`; and the errors of the checked entry point.
+//! `Bastile<B>` against the reference; and the errors of the checked entry
+//! point.
 
 mod common;
 
@@ -157,6 +158,14 @@ fn check<B: BastileBackend + bastile::ops::KernelBackend>(
     }
     for (path, got) in paths {
         let what = format!("{path} {name} {dtype:?} {c:?}");
+        // Burn's f32 matmul on CUDA runs tensor-core kernels at TF32
+        // precision (relative errors ~5e-4 measured on an H100); the
+        // composite is held to that, the fused path to f32.
+        let tol = if path == "composite" {
+            tol.max(2e-3)
+        } else {
+            tol
+        };
         assert_close(&format!("out {what}"), &got.0, &out_ref, tol, seed);
         assert_close(&format!("dq {what}"), &got.1, &g.dq, tol, seed);
         assert_close(&format!("dk {what}"), &got.2, &g.dk, tol, seed);
@@ -246,21 +255,32 @@ impl BackendTest for ModuleOps {
             .map(|_| randn(&mut rng, n, 0.0, 1.0, DType::F32))
             .collect();
         let t = |i: usize| tensor::<Bastile<B>, 4>(&x[i], dims, DType::F32, device);
-        let plain = |i: usize| tensor::<B, 4>(&x[i], dims, DType::F32, device);
         for causal in [false, true] {
             let options = AttentionModuleOptions {
                 scale: None,
                 softcap: None,
                 is_causal: causal,
             };
+            let spec = AttentionSpec {
+                batch: dims[0],
+                heads: dims[1],
+                kv_heads: dims[1],
+                seq_q: dims[2],
+                seq_k: dims[2],
+                head_dim: dims[3],
+                scale: 1.0 / (dims[3] as f64).sqrt(),
+                causal,
+                window: None,
+                key_lengths: None,
+                sinks: None,
+            };
+            let (expected, _) = reference::forward(&spec, &x[0], &x[1], &x[2]);
             let ours = burn::tensor::module::attention(t(0), t(1), t(2), None, None, options);
-            let burn_own =
-                burn::tensor::module::attention(plain(0), plain(1), plain(2), None, None, options);
             assert_close(
                 &format!("{name} module attention causal {causal}"),
                 &values(ours),
-                &values(burn_own),
-                1e-4,
+                &expected,
+                4e-5,
                 rng.seed(),
             );
         }
@@ -268,7 +288,7 @@ impl BackendTest for ModuleOps {
 }
 
 #[test]
-fn burn_module_attention_on_bastile_matches_the_inner_backend() {
+fn burn_module_attention_on_bastile_matches_reference() {
     for_each_backend(&ModuleOps);
 }
 

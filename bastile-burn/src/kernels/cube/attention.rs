@@ -10,9 +10,9 @@ use bastile_cubecl::attention::{
 };
 
 use super::cross_entropy::labels_i32;
-use super::empty_like;
 use crate::kernels::kernel_dtype;
 use crate::ops::attention::{AttentionGrads, AttentionSpec};
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
 /// The problem for query and key shapes `[b, h, s, d]`, if the kernels
 /// take it: float dtype, equal head dims, enough keys for a mask.
@@ -68,14 +68,21 @@ fn heads<R: CubeRuntime>(t: CubeTensor<R>) -> (CubeTensor<R>, HeadLayout) {
     (t, layout)
 }
 
+/// A fresh tensor with a dense row-major layout. The kernels index their
+/// outputs densely (and the f32 row statistics flatly), so the runtime's
+/// pitched layouts (which pad a row of 37 floats, say) must not be used.
+fn contiguous<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
+    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, dtype)
+}
+
 fn dense<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape) -> (CubeTensor<R>, HeadLayout) {
-    let t = empty_like(like, shape.clone(), like.dtype);
+    let t = contiguous(like, shape.clone(), like.dtype);
     let layout = HeadLayout::dense(t.handle.clone(), shape[1], shape[2], shape[3]);
     (t, layout)
 }
 
 fn f32_rows<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape) -> CubeTensor<R> {
-    empty_like(like, shape, DType::F32)
+    contiguous(like, shape, DType::F32)
 }
 
 /// Sinks as contiguous f32.
