@@ -53,6 +53,19 @@ pub(super) fn supported<R: CubeRuntime>(
         .is_some_and(|p| attention::supported(&R::client(device), &p))
 }
 
+/// The problem of a call whose support was checked before the launch.
+fn checked_problem<R: CubeRuntime>(
+    q: &CubeTensor<R>,
+    k: &CubeTensor<R>,
+    spec: &AttentionSpec,
+    sinks: &Option<CubeTensor<R>>,
+    key_lengths: &Option<CubeTensor<R>>,
+) -> AttentionProblem {
+    let dims = [q.shape(), k.shape()];
+    problem(&dims, q.dtype, spec, sinks.is_some(), key_lengths.is_some())
+        .expect("attention support checked before the launch")
+}
+
 /// The tensor with a unit-stride head dim, and its layout.
 fn heads<R: CubeRuntime>(t: CubeTensor<R>) -> (CubeTensor<R>, HeadLayout) {
     let t = if t.meta.strides()[3] == 1 || t.shape()[3] == 1 {
@@ -103,14 +116,7 @@ pub(super) fn forward<R: CubeRuntime>(
     key_lengths: Option<CubeTensor<R>>,
     spec: AttentionSpec,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
-    let problem = problem(
-        &[q.shape(), k.shape()],
-        q.dtype,
-        &spec,
-        sinks.is_some(),
-        key_lengths.is_some(),
-    )
-    .expect("validated attention problem");
+    let problem = checked_problem(&q, &k, &spec, &sinks, &key_lengths);
     let (q, q_l) = heads(q);
     let (_k, k_l) = heads(k);
     let (_v, v_l) = heads(v);
@@ -145,14 +151,7 @@ pub(super) fn backward<R: CubeRuntime>(
     key_lengths: Option<CubeTensor<R>>,
     spec: AttentionSpec,
 ) -> AttentionGrads<CubeTensor<R>> {
-    let problem = problem(
-        &[q.shape(), k.shape()],
-        q.dtype,
-        &spec,
-        sinks.is_some(),
-        key_lengths.is_some(),
-    )
-    .expect("validated attention problem");
+    let problem = checked_problem(&q, &k, &spec, &sinks, &key_lengths);
     let (q, q_l) = heads(q);
     let (k, k_l) = heads(k);
     let (_v, v_l) = heads(v);
