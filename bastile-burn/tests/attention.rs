@@ -9,7 +9,7 @@ mod common;
 
 use bastile::{AttentionOptions, Bastile, BastileBackend, BastileError, attention};
 use bastile_cubecl::reference::attention::{self as reference, AttentionSpec};
-use bastile_cubecl::testing::{Rng, assert_close, tolerance};
+use bastile_cubecl::testing::{Rng, assert_close, seq_major, tolerance};
 use burn::backend::Autodiff;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{DType, Int, Shape, Tensor, TensorData};
@@ -47,25 +47,15 @@ type Outputs = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>);
 fn heads<X: burn::tensor::backend::Backend>(
     values: &[f64],
     dims: [usize; 4],
-    seq_major: bool,
+    sequence_major: bool,
     dtype: DType,
     device: &X::Device,
 ) -> Tensor<X, 4> {
     let [b, h, s, d] = dims;
-    if !seq_major {
+    if !sequence_major {
         return tensor::<X, 4>(values, dims, dtype, device);
     }
-    let mut t = vec![0.0; values.len()];
-    for bi in 0..b {
-        for hi in 0..h {
-            for si in 0..s {
-                let from = ((bi * h + hi) * s + si) * d;
-                let to = ((bi * s + si) * h + hi) * d;
-                t[to..to + d].copy_from_slice(&values[from..from + d]);
-            }
-        }
-    }
-    tensor::<X, 4>(&t, [b, s, h, d], dtype, device).swap_dims(1, 2)
+    tensor::<X, 4>(&seq_major(values, dims), [b, s, h, d], dtype, device).swap_dims(1, 2)
 }
 
 fn run<X: BastileBackend>(c: &Case, x: &Inputs, dtype: DType, device: &X::Device) -> Outputs {

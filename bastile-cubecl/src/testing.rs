@@ -269,6 +269,24 @@ pub fn download<R: cubecl::Runtime>(
     from_bytes(dtype, &bytes)
 }
 
+/// Head-major `[b, h, s, d]` values rearranged sequence-major
+/// (`[b, s, h, d]`, what a projection's reshape holds before its heads are
+/// swapped forward).
+pub fn seq_major(values: &[f64], dims: [usize; 4]) -> Vec<f64> {
+    let [b, h, s, d] = dims;
+    let mut out = vec![0.0; values.len()];
+    for bi in 0..b {
+        for hi in 0..h {
+            for si in 0..s {
+                let from = ((bi * h + hi) * s + si) * d;
+                let to = ((bi * s + si) * h + hi) * d;
+                out[to..to + d].copy_from_slice(&values[from..from + d]);
+            }
+        }
+    }
+    out
+}
+
 /// Lays `rows × hidden` values out with rows `stride` elements apart, NaN
 /// in the padding (a kernel that reads it fails).
 pub fn pad_rows(values: &[f64], hidden: usize, stride: usize) -> Vec<f64> {

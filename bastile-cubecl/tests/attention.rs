@@ -54,24 +54,14 @@ fn place<R: Runtime>(
     dtype: FloatDtype,
     values: &[f64],
     dims: [usize; 4],
-    seq_major: bool,
+    sequence_major: bool,
 ) -> HeadLayout {
-    let [b, h, s, d] = dims;
-    if !seq_major {
+    let [_, h, s, d] = dims;
+    if !sequence_major {
         return HeadLayout::dense(upload(client, dtype, values), h, s, d);
     }
-    let mut out = vec![0.0; values.len()];
-    for bi in 0..b {
-        for hi in 0..h {
-            for si in 0..s {
-                let from = ((bi * h + hi) * s + si) * d;
-                let to = ((bi * s + si) * h + hi) * d;
-                out[to..to + d].copy_from_slice(&values[from..from + d]);
-            }
-        }
-    }
     HeadLayout {
-        handle: upload(client, dtype, &out),
+        handle: upload(client, dtype, &seq_major(values, dims)),
         strides: [s * h * d, d, h * d],
     }
 }

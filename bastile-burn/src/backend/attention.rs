@@ -10,9 +10,10 @@
 use burn::tensor::TensorMetadata;
 use burn::tensor::ops::{AttentionModuleOptions, BoolTensor, FloatTensor};
 
+use super::Bastile;
+use crate::BastileBackend;
 use crate::kernels::KernelBackend;
-use crate::ops::attention::{AttentionSpec, worth_fusing};
-use crate::patches::{Op, is_enabled};
+use crate::ops::attention::{AttentionSpec, scale_or_default};
 
 pub(super) fn module_attention<B: KernelBackend>(
     query: FloatTensor<B>,
@@ -24,26 +25,19 @@ pub(super) fn module_attention<B: KernelBackend>(
 ) -> FloatTensor<B> {
     let head_dim = query.shape()[query.shape().num_dims() - 1];
     let spec = AttentionSpec {
-        scale: options
-            .scale
-            .unwrap_or_else(|| 1.0 / (head_dim as f64).sqrt()),
+        scale: scale_or_default(options.scale, head_dim),
         causal: options.is_causal,
         window: None,
     };
     let dims = [query.shape(), key.shape()];
+    // Shapes, dtype, the patch switch and the size threshold are the fused
+    // op's own predicate; what Burn's call adds is checked here.
     let plain = mask.is_none()
         && attn_bias.is_none()
         && options.softcap.is_none()
-        && key.shape() == value.shape()
-        && dims[0].num_dims() == 4
-        && dims[1].num_dims() == 4
-        && dims[1][1] > 0
-        && dims[0][1].is_multiple_of(dims[1][1]);
-    if plain
-        && is_enabled(Op::Attention)
-        && worth_fusing(&dims)
-        && B::attention_supported(&B::float_device(&query), &dims, query.dtype(), &spec)
-    {
+        && key.shape() == value.shape();
+    let device = B::float_device(&query);
+    if plain && Bastile::<B>::attention_fused(&device, &dims, query.dtype(), &spec) {
         B::attention_forward_kernel(query, key, value, None, None, spec).0
     } else {
         B::attention(query, key, value, mask, attn_bias, options)

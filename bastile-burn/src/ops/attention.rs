@@ -80,6 +80,11 @@ pub struct AttentionSpec {
     pub window: Option<usize>,
 }
 
+/// The scale a call uses: the given one, or `1/√head_dim`.
+pub(crate) fn scale_or_default(scale: Option<f64>, head_dim: usize) -> f64 {
+    scale.unwrap_or_else(|| 1.0 / (head_dim as f64).sqrt())
+}
+
 /// The gradients of the attention inputs.
 #[derive(Clone, Debug)]
 pub struct AttentionGrads<T> {
@@ -143,13 +148,14 @@ pub fn attention<B: BastileBackend>(
         }
         check_same_device("sinks", &s.device(), "query", &q.device())?;
     }
-    if let Some(l) = &key_lengths
-        && l.dims() != [b]
-    {
-        return Err(BastileError::Shape(format!(
-            "attention key lengths must be [batch] = [{b}], got {:?}",
-            l.dims()
-        )));
+    if let Some(l) = &key_lengths {
+        if l.dims() != [b] {
+            return Err(BastileError::Shape(format!(
+                "attention key lengths must be [batch] = [{b}], got {:?}",
+                l.dims()
+            )));
+        }
+        check_same_device("key lengths", &l.device(), "query", &q.device())?;
     }
     check_same_device("key", &k.device(), "query", &q.device())?;
     check_same_device("value", &v.device(), "query", &q.device())?;
@@ -158,7 +164,7 @@ pub fn attention<B: BastileBackend>(
             "an attention window must hold at least one position".into(),
         ));
     }
-    let scale = options.scale.unwrap_or(1.0 / (d as f64).sqrt());
+    let scale = scale_or_default(options.scale, d);
     if !(scale.is_finite() && scale > 0.0) {
         return Err(BastileError::Config(format!(
             "the attention scale must be finite and positive, got {scale}"

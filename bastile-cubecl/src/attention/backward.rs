@@ -110,9 +110,9 @@ pub(crate) fn attention_dkdv_kernel<F: Float>(
     let sc = comptime![(t.cols / t.upr) as usize];
     let dc = comptime![(t.head_dim / t.upr) as usize];
     let kv_heads = heads / group;
-    let unit = UNIT_POS as usize;
-    let row = unit / upr;
-    let lane = unit % upr;
+    // Cubes are `upr × rows` units: one row of the tile per Y.
+    let row = UNIT_POS_Y as usize;
+    let lane = UNIT_POS_X as usize;
     let (b, hk, kb) = cube_coords(k_blocks, kv_heads);
     if b < batch {
         let k0 = kb * rows;
@@ -251,9 +251,9 @@ pub(crate) fn attention_dq_kernel<F: Float>(
     let cols = comptime![t.cols as usize];
     let sc = comptime![(t.cols / t.upr) as usize];
     let dc = comptime![(t.head_dim / t.upr) as usize];
-    let unit = UNIT_POS as usize;
-    let row = unit / upr;
-    let lane = unit % upr;
+    // Cubes are `upr × rows` units: one row of the tile per Y.
+    let row = UNIT_POS_Y as usize;
+    let lane = UNIT_POS_X as usize;
     let (b, h, qb) = cube_coords(q_blocks, heads);
     if b < batch {
         let hk = h / group;

@@ -4,6 +4,8 @@
 
 use cubecl::prelude::*;
 
+use crate::reduce::{RowReduce, row_max, row_sum, row_sum_scratch};
+
 use super::tile::{
     AttnTile, MASKED, MASKED_BELOW, accumulate, allowed, cube_coords, key_count, load_block,
     row_scores,
@@ -54,33 +56,6 @@ pub(crate) fn query_block_keys(
     (offset, first, end)
 }
 
-/// The maximum (or sum) of `value` over the `upr` units of `row`.
-#[cube]
-pub(crate) fn row_combine(
-    value: f32,
-    scratch: &mut SharedMemory<f32>,
-    row: usize,
-    lane: usize,
-    #[comptime] max: bool,
-    #[comptime] t: AttnTile,
-) -> f32 {
-    let upr = comptime![t.upr as usize];
-    scratch[row * upr + lane] = value;
-    sync_cube();
-    let mut total = scratch[row * upr];
-    for i in 1..upr {
-        let other = scratch[row * upr + i];
-        if comptime![max] {
-            total = f32::max(total, other);
-        } else {
-            total += other;
-        }
-    }
-    // The scratch is written again by the next call.
-    sync_cube();
-    total
-}
-
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_forward_kernel<F: Float>(
@@ -108,9 +83,9 @@ pub(crate) fn attention_forward_kernel<F: Float>(
     let cols = comptime![t.cols as usize];
     let sc = comptime![(t.cols / t.upr) as usize];
     let dc = comptime![(t.head_dim / t.upr) as usize];
-    let unit = UNIT_POS as usize;
-    let row = unit / upr;
-    let lane = unit % upr;
+    // Cubes are `upr × rows` units: one row of the tile per Y.
+    let row = UNIT_POS_Y as usize;
+    let lane = UNIT_POS_X as usize;
     let (b, h, qb) = cube_coords(q_blocks, heads);
     if b < batch {
         let hk = h / group;
@@ -121,7 +96,12 @@ pub(crate) fn attention_forward_kernel<F: Float>(
         let mut smem_q = SharedMemory::<F>::new(comptime![t.rows as usize * t.pitch as usize]);
         let mut smem_kv = SharedMemory::<F>::new(comptime![t.cols as usize * t.pitch as usize]);
         let mut smem_p = SharedMemory::<f32>::new(comptime![(t.rows * t.cols) as usize]);
-        let mut scratch = SharedMemory::<f32>::new(comptime![(t.rows * t.upr) as usize]);
+        let mut scratch = SharedMemory::<f32>::new(comptime![row_sum_scratch(
+            RowReduce::Shared,
+            t.upr,
+            t.rows,
+            1
+        )]);
 
         let q_base = b * strides[0usize] + h * strides[1usize];
         let k_base = b * strides[3usize] + hk * strides[4usize];
@@ -175,7 +155,10 @@ pub(crate) fn attention_forward_kernel<F: Float>(
                 s[j] = select(ok, s[j] * scale, MASKED);
                 block_max = f32::max(block_max, s[j]);
             }
-            let m_new = f32::max(m, row_combine(block_max, &mut scratch, row, lane, true, t));
+            let m_new = f32::max(
+                m,
+                row_max(block_max, &mut scratch, t.upr, t.upr, RowReduce::Shared),
+            );
             let mut sum = 0.0f32;
             #[unroll]
             for j in 0..sc {
@@ -184,13 +167,13 @@ pub(crate) fn attention_forward_kernel<F: Float>(
                 sum += p;
             }
             let alpha = f32::exp(m - m_new);
-            l = l * alpha + row_combine(sum, &mut scratch, row, lane, false, t);
+            l = l * alpha + row_sum(sum, &mut scratch, t.upr, t.upr, RowReduce::Shared);
             m = m_new;
             #[unroll]
             for j in 0..dc {
                 acc[j] *= alpha;
             }
-            // `row_combine` synchronized: every unit is done with K.
+            // `row_sum` synchronized: every unit is done with K.
             load_block::<F>(
                 v,
                 v_base,

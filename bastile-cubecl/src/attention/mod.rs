@@ -208,6 +208,12 @@ impl AttnLaunch {
         self.rows * self.upr
     }
 
+    /// `upr` units along X share a row; one row per Y (the row reductions
+    /// of [`crate::reduce`] take that layout).
+    fn cube_dim(&self) -> CubeDim {
+        CubeDim::new_2d(self.upr, self.rows)
+    }
+
     /// Shared memory of the forward (`backward == false`) or of the larger
     /// backward kernel.
     fn shared_bytes(&self, problem: &AttentionProblem, backward: bool) -> usize {
@@ -275,13 +281,13 @@ pub fn forward_with<R: Runtime>(
         forward::attention_forward_kernel::launch_unchecked::<R>(
             client,
             count,
-            CubeDim::new_1d(config.units()),
+            config.cube_dim(),
             b.q.arg(p.batch, p.heads, p.seq_q, p.head_dim),
             b.k.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
             b.v.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
             b.out.arg(p.batch, p.heads, p.seq_q, p.head_dim),
             flat_arg(&b.lse, p.query_rows()),
-            flat_arg(&sinks, p.heads.max(1)),
+            flat_arg(&sinks, p.heads),
             flat_arg(&lengths, p.batch),
             strides,
             p.batch,
@@ -346,7 +352,7 @@ pub fn backward_with<R: Runtime>(
         backward::attention_dkdv_kernel::launch_unchecked::<R>(
             client,
             launch::cube_count(client, p.batch * p.kv_heads * k_blocks)?,
-            CubeDim::new_1d(config.units()),
+            config.cube_dim(),
             q_arg(),
             k_arg(),
             v_arg(),
@@ -372,7 +378,7 @@ pub fn backward_with<R: Runtime>(
         backward::attention_dq_kernel::launch_unchecked::<R>(
             client,
             launch::cube_count(client, p.batch * p.heads * q_blocks)?,
-            CubeDim::new_1d(config.units()),
+            config.cube_dim(),
             q_arg(),
             k_arg(),
             v_arg(),
