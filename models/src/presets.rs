@@ -16,7 +16,17 @@ pub const NAMES: &[&str] = &[
     "llama-3.2-3b",
     "gpt-oss-20b",
     "gpt-oss-20b-4l",
+    "bastile-tiny",
 ];
+
+/// The vocabulary of [`TINY`]: the 256 bytes and eight special tokens, the
+/// byte-level tokenizer of the `bastile` command.
+pub const TINY_VOCAB: usize = 264;
+
+/// A Qwen3-architecture model small enough to train from scratch on a CPU
+/// in seconds (about 0.4 M parameters), for the `bastile` command's
+/// embedded default and for functional runs on software devices.
+pub const TINY: &str = "bastile-tiny";
 
 struct Dense {
     hidden: usize,
@@ -135,6 +145,13 @@ pub fn preset(name: &str) -> Result<HfConfig, ModelError> {
         "llama-3.2-3b" => llama(d(3072, 8192, 28, 24, 8, 128, true)),
         "gpt-oss-20b" => gpt_oss(24),
         "gpt-oss-20b-4l" => gpt_oss(4),
+        TINY => {
+            let mut c = qwen3(d(128, 384, 2, 4, 2, 32, true));
+            c.vocab_size = TINY_VOCAB;
+            c.max_position_embeddings = 2048;
+            c.rope_theta = Some(10_000.0);
+            c
+        }
         other => {
             return Err(ModelError::Config(format!(
                 "unknown preset `{other}` (known: {})",

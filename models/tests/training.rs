@@ -150,7 +150,11 @@ fn same_curve(name: &str) {
             bastile::apply(bastile::Patches::default());
             let base = train::<Autodiff<Cuda>>(name, DType::BF16);
             let fused = train::<Autodiff<bastile::Bastile<Cuda>>>(name, DType::BF16);
-            compare(&format!("{name} cuda bf16"), base, fused, 2e-2, 5e-2);
+            // AdamW turns a gradient whose sign bf16 rounding flips into a
+            // full ±lr step, so 30 bf16 steps leave near-zero-gradient
+            // weights (unrouted experts above all) apart by a few percent
+            // of the parameter norm; a wrong gradient differs by O(1).
+            compare(&format!("{name} cuda bf16"), base, fused, 2e-2, 1e-1);
             ran = true;
         }
     }

@@ -1,0 +1,166 @@
+//! The backend a command runs on: `Autodiff<Bastile<Cuda>>` (or over
+//! wgpu/Vulkan) with the fused kernels, the same backend without Bastile
+//! for the baseline, or Burn's CPU backend where no GPU is present.
+
+use bastile::{Bastile, BastileBackend};
+use burn::backend::{Autodiff, NdArray};
+use burn::tensor::DType;
+use burn::tensor::backend::AutodiffBackend;
+use clap::ValueEnum;
+
+use crate::CliError;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DeviceKind {
+    /// CUDA when a GPU and its driver are present, else the CPU.
+    Auto,
+    Cuda,
+    /// Any Vulkan device through wgpu (also Mesa's software driver).
+    Vulkan,
+    /// Burn's CPU backend (Bastile's kernels need CUDA or Vulkan).
+    Cpu,
+}
+
+/// What a task learns of the backend it runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RunInfo {
+    pub device: DeviceKind,
+    /// Whether Bastile's fused kernels are in use.
+    pub bastile: bool,
+}
+
+impl RunInfo {
+    /// bf16 where the hardware trains in it, f32 elsewhere.
+    pub fn default_dtype(&self) -> DType {
+        if self.device == DeviceKind::Cuda {
+            DType::BF16
+        } else {
+            DType::F32
+        }
+    }
+
+    /// Sequence lengths are padded up to a multiple of this: on a GPU
+    /// every new length means new kernels to compile and matmuls to tune,
+    /// so a few length buckets are much faster than exact lengths; on the
+    /// CPU the padding would only cost compute.
+    pub fn pad_multiple(&self) -> usize {
+        if self.device == DeviceKind::Cpu {
+            1
+        } else {
+            64
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        let device = match self.device {
+            DeviceKind::Cuda => "CUDA",
+            DeviceKind::Vulkan => "Vulkan (wgpu)",
+            _ => "CPU",
+        };
+        let ops = if self.bastile {
+            "Bastile's fused kernels"
+        } else {
+            "Burn's own ops"
+        };
+        format!("{device}, {ops}")
+    }
+}
+
+/// Work generic over the training backend.
+pub trait Task {
+    type Output;
+    fn run<B>(self, device: B::Device, info: RunInfo) -> Result<Self::Output, CliError>
+    where
+        B: AutodiffBackend + BastileBackend,
+        B::InnerBackend: BastileBackend;
+}
+
+/// Runs `task` on the backend `kind` and `bastile` select.
+pub fn dispatch<T: Task>(kind: DeviceKind, bastile: bool, task: T) -> Result<T::Output, CliError> {
+    let kind = match kind {
+        DeviceKind::Auto if cuda_present() => DeviceKind::Cuda,
+        DeviceKind::Auto => DeviceKind::Cpu,
+        k => k,
+    };
+    let info = RunInfo {
+        device: kind,
+        bastile: bastile && kind != DeviceKind::Cpu,
+    };
+    if bastile && kind == DeviceKind::Cpu {
+        eprintln!(
+            "note: Bastile's fused kernels run on CUDA or Vulkan (--device cuda|vulkan); \
+             on the CPU the model trains with Burn's own ops"
+        );
+    }
+    match (kind, info.bastile) {
+        (DeviceKind::Cuda, b) => cuda(b, task, info),
+        (DeviceKind::Vulkan, b) => vulkan(b, task, info),
+        _ => task.run::<Autodiff<NdArray>>(Default::default(), info),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda<T: Task>(bastile: bool, task: T, info: RunInfo) -> Result<T::Output, CliError> {
+    use burn::backend::Cuda;
+    if !cuda_present() {
+        return Err(CliError::Usage(
+            "--device cuda: no CUDA GPU or driver found on this machine".into(),
+        ));
+    }
+    if bastile {
+        task.run::<Autodiff<Bastile<Cuda>>>(Default::default(), info)
+    } else {
+        task.run::<Autodiff<Cuda>>(Default::default(), info)
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda<T: Task>(_: bool, _: T, _: RunInfo) -> Result<T::Output, CliError> {
+    Err(CliError::Usage(
+        "this `bastile` was built without CUDA support (feature `cuda`)".into(),
+    ))
+}
+
+#[cfg(feature = "wgpu")]
+fn vulkan<T: Task>(bastile: bool, task: T, info: RunInfo) -> Result<T::Output, CliError> {
+    use burn::backend::Wgpu;
+    if bastile {
+        task.run::<Autodiff<Bastile<Wgpu>>>(Default::default(), info)
+    } else {
+        task.run::<Autodiff<Wgpu>>(Default::default(), info)
+    }
+}
+
+#[cfg(not(feature = "wgpu"))]
+fn vulkan<T: Task>(_: bool, _: T, _: RunInfo) -> Result<T::Output, CliError> {
+    Err(CliError::Usage(
+        "this `bastile` was built without Vulkan support (feature `wgpu`)".into(),
+    ))
+}
+
+/// Whether a CUDA device answers: CubeCL's client creation panics without
+/// a driver, so the probe runs once, its panic caught and kept quiet.
+#[cfg(feature = "cuda")]
+pub fn cuda_present() -> bool {
+    use std::sync::OnceLock;
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    *PRESENT.get_or_init(|| {
+        let hook = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        let ok = std::panic::catch_unwind(|| {
+            let device = Default::default();
+            burn::tensor::Tensor::<burn::backend::Cuda, 1>::ones([1], &device)
+                .into_data()
+                .to_vec::<f32>()
+                .is_ok()
+        })
+        .unwrap_or(false);
+        std::panic::set_hook(hook);
+        ok
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn cuda_present() -> bool {
+    false
+}

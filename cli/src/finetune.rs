@@ -1,0 +1,285 @@
+//! `bastile finetune`: supervised finetuning on a JSONL instruction data
+//! set, the prompt masked from the loss, with AdamW, gradient
+//! accumulation, warmup + cosine learning rate, periodic checkpoints and a
+//! final Hugging Face export.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use bastile::BastileBackend;
+use bastile_models::{CausalLm, MicroBatch, TrainConfig, Trainer};
+use burn::module::Module;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Int, Tensor, TensorData};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::batches::{Sampler, pad};
+use crate::chat::ChatFormat;
+use crate::data::{self, Example};
+use crate::device::{RunInfo, Task};
+use crate::source::{ModelSource, RECORD, recorder};
+use crate::{CliError, DTypeArg};
+
+/// Everything `finetune` is told (the command line's options).
+#[derive(Clone, Debug)]
+pub struct FinetuneOptions {
+    /// A preset name or a model directory.
+    pub model: String,
+    pub tokenizer: Option<PathBuf>,
+    /// JSONL data; the embedded data set when `None`.
+    pub data: Option<PathBuf>,
+    pub chat_format: Option<ChatFormat>,
+    pub output: PathBuf,
+    /// Longer examples are cut to this many tokens.
+    pub max_seq: Option<usize>,
+    pub batch_size: usize,
+    /// Pad batches to a multiple of this length (default: the device's
+    /// [`RunInfo::pad_multiple`]).
+    pub pad_to_multiple: Option<usize>,
+    pub grad_accum: usize,
+    /// Passes over the data (default: 60 for the tiny preset, which
+    /// starts from random weights, else 3).
+    pub epochs: Option<usize>,
+    /// Optimizer steps; `epochs` decides when `None`.
+    pub steps: Option<usize>,
+    pub learning_rate: Option<f64>,
+    pub warmup_steps: Option<usize>,
+    pub weight_decay: f32,
+    pub max_grad_norm: Option<f32>,
+    /// Write a checkpoint every this many steps.
+    pub save_every: Option<usize>,
+    pub dtype: DTypeArg,
+    pub seed: u64,
+    /// Draw a progress bar (else a line every `log_every` steps).
+    pub progress: bool,
+    pub log_every: usize,
+}
+
+/// What a finetuning run did.
+#[derive(Clone, Debug)]
+pub struct FinetuneReport {
+    /// The loss of every optimizer step.
+    pub losses: Vec<f64>,
+    /// Tokens trained on (padding excluded).
+    pub tokens: usize,
+    pub seconds: f64,
+    pub checkpoints: Vec<PathBuf>,
+    /// The HF export of the final model.
+    pub final_dir: PathBuf,
+    pub truncated: usize,
+    pub dropped: usize,
+}
+
+pub struct Finetune(pub FinetuneOptions);
+
+impl Task for Finetune {
+    type Output = FinetuneReport;
+
+    fn run<B>(self, device: B::Device, info: RunInfo) -> Result<FinetuneReport, CliError>
+    where
+        B: AutodiffBackend + BastileBackend,
+        B::InnerBackend: BastileBackend,
+    {
+        let o = self.0;
+        check_options(&o)?;
+        prepare_output(&o.output)?;
+        let source = ModelSource::parse(&o.model)?;
+        let tokenizer = source.tokenizer(o.tokenizer.as_deref())?;
+        B::seed(&device, o.seed);
+        let model = source.load::<B>(&device)?;
+        tokenizer.check_fits(model.config.vocab_size)?;
+        let format = o
+            .chat_format
+            .unwrap_or_else(|| ChatFormat::for_model(model.config.architecture, &tokenizer));
+        let conversations = match &o.data {
+            Some(path) => data::load(path)?,
+            None => data::parse(data::EMBEDDED, Path::new("<embedded data set>"))?,
+        };
+        let max_len = o.max_seq.unwrap_or(model.config.max_positions.min(2048));
+        let set = data::tokenize(&conversations, format, &tokenizer, max_len)?;
+        if set.truncated > 0 {
+            eprintln!(
+                "warning: {} of {} examples are longer than {max_len} tokens and were truncated \
+                 (--max-seq sets the limit)",
+                set.truncated,
+                conversations.len()
+            );
+        }
+        if set.dropped > 0 {
+            eprintln!(
+                "warning: {} examples had no reply left to train on after truncation and were skipped",
+                set.dropped
+            );
+        }
+        if set.examples.is_empty() {
+            return Err(CliError::Usage(
+                "no example has a reply to train on within --max-seq tokens".into(),
+            ));
+        }
+        let dtype = o.dtype.resolve(info.default_dtype())?;
+        if info.device != crate::device::DeviceKind::Cuda && dtype != burn::tensor::DType::F32 {
+            return Err(CliError::Usage(format!(
+                "--dtype {dtype:?} needs --device cuda; train in f32 elsewhere"
+            )));
+        }
+        let mut model = model.with_dtype(dtype)?;
+        let per_step = o.batch_size * o.grad_accum;
+        let epochs = o.epochs.unwrap_or(if source.is_tiny() { 60 } else { 3 });
+        let steps = o
+            .steps
+            .unwrap_or(epochs * set.examples.len().div_ceil(per_step));
+        let default_lr = if source.is_tiny() { 3e-3 } else { 2e-5 };
+        let config = TrainConfig {
+            learning_rate: o.learning_rate.unwrap_or(default_lr),
+            warmup_steps: o.warmup_steps.unwrap_or(steps / 20).min(steps),
+            total_steps: steps,
+            weight_decay: o.weight_decay,
+            max_grad_norm: o.max_grad_norm,
+            ..Default::default()
+        };
+        let mut trainer = Trainer::<B>::new(config)?;
+        eprintln!(
+            "finetuning {} ({} layers, hidden {}) on {}: {} examples, {steps} steps of \
+             {} x {} sequences, {dtype:?}, {format:?} chat format",
+            o.model,
+            model.config.layers,
+            model.config.hidden_size,
+            info.describe(),
+            set.examples.len(),
+            o.grad_accum,
+            o.batch_size,
+        );
+        let bar = progress_bar(steps as u64, o.progress);
+        let mut sampler = Sampler::new(set.examples.len(), o.seed);
+        let mut report = FinetuneReport {
+            losses: Vec::with_capacity(steps),
+            tokens: 0,
+            seconds: 0.0,
+            checkpoints: Vec::new(),
+            final_dir: o.output.join("final"),
+            truncated: set.truncated,
+            dropped: set.dropped,
+        };
+        let pad_id = tokenizer.pad_id();
+        let multiple = o.pad_to_multiple.unwrap_or(info.pad_multiple());
+        let start = Instant::now();
+        for step in 1..=steps {
+            let mut micro = Vec::with_capacity(o.grad_accum);
+            for _ in 0..o.grad_accum {
+                let picked: Vec<&Example> = sampler
+                    .take(o.batch_size)
+                    .into_iter()
+                    .map(|i| &set.examples[i])
+                    .collect();
+                let p = pad(&picked, pad_id, multiple);
+                report.tokens += p.tokens;
+                micro.push(MicroBatch {
+                    ids: Tensor::<B, 2, Int>::from_data(TensorData::new(p.ids, p.shape), &device),
+                    labels: Tensor::<B, 2, Int>::from_data(
+                        TensorData::new(p.labels, p.shape),
+                        &device,
+                    ),
+                });
+            }
+            let (m, out) = trainer.step(model, &micro)?;
+            model = m;
+            report.losses.push(out.loss);
+            let rate = report.tokens as f64 / start.elapsed().as_secs_f64();
+            bar.set_message(format!(
+                "loss {:.4}  lr {:.2e}  {rate:.0} tok/s",
+                out.loss, out.learning_rate
+            ));
+            bar.inc(1);
+            if !o.progress && (step % o.log_every == 0 || step == steps) {
+                eprintln!(
+                    "step {step:>5}/{steps}  loss {:.4}  lr {:.2e}  {rate:.0} tok/s",
+                    out.loss, out.learning_rate
+                );
+            }
+            if o.save_every.is_some_and(|n| step % n == 0 && step < steps) {
+                let dir = o.output.join(format!("checkpoint-{step}"));
+                save_checkpoint(&model, &tokenizer, source.dir(), &dir)?;
+                bar.println(format!("saved {}", dir.display()));
+                report.checkpoints.push(dir);
+            }
+        }
+        bar.finish();
+        report.seconds = start.elapsed().as_secs_f64();
+        model.save_hf_dir(&report.final_dir)?;
+        tokenizer.save_beside(source.dir(), &report.final_dir)?;
+        let first = report.losses.first().copied().unwrap_or(f64::NAN);
+        let last = report.losses.last().copied().unwrap_or(f64::NAN);
+        eprintln!(
+            "done: {steps} steps in {:.1} s ({:.0} tokens/s), loss {first:.4} -> {last:.4}; \
+             model saved to {}",
+            report.seconds,
+            report.tokens as f64 / report.seconds,
+            report.final_dir.display()
+        );
+        Ok(report)
+    }
+}
+
+fn check_options(o: &FinetuneOptions) -> Result<(), CliError> {
+    let positive = [
+        ("--batch-size", o.batch_size),
+        ("--grad-accum", o.grad_accum),
+        ("--pad-to-multiple", o.pad_to_multiple.unwrap_or(1)),
+        ("--log-every", o.log_every),
+        ("--max-seq", o.max_seq.unwrap_or(2)),
+        ("--save-every", o.save_every.unwrap_or(1)),
+        ("--steps", o.steps.unwrap_or(1)),
+        ("--epochs", o.epochs.unwrap_or(1)),
+    ];
+    if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
+        return Err(CliError::Usage(format!("{name} must be at least 1")));
+    }
+    if o.max_seq == Some(1) {
+        return Err(CliError::Usage(
+            "--max-seq must be at least 2 (a token and the one it predicts)".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Creates the output directory and proves it writable before any
+/// training time is spent.
+fn prepare_output(dir: &Path) -> Result<(), CliError> {
+    std::fs::create_dir_all(dir).map_err(|e| CliError::io(dir, e))?;
+    let probe = dir.join(".bastile-write-test");
+    std::fs::write(&probe, b"").map_err(|e| CliError::io(dir, format!("not writable: {e}")))?;
+    std::fs::remove_file(&probe).map_err(|e| CliError::io(&probe, e))
+}
+
+/// A checkpoint: `config.json`, the Burn record and the tokenizer, which
+/// `finetune --model` and `generate --model` load again.
+fn save_checkpoint<B: AutodiffBackend>(
+    model: &CausalLm<B>,
+    tokenizer: &crate::tokenizer::Tokenizer,
+    source: Option<&Path>,
+    dir: &Path,
+) -> Result<(), CliError> {
+    std::fs::create_dir_all(dir).map_err(|e| CliError::io(dir, e))?;
+    let config = dir.join("config.json");
+    let text = serde_json::to_string_pretty(&model.hf_config).expect("a config serializes");
+    std::fs::write(&config, text).map_err(|e| CliError::io(&config, e))?;
+    model
+        .clone()
+        .save_file(dir.join(RECORD), &recorder())
+        .map_err(|e| CliError::io(dir.join(RECORD), e))?;
+    tokenizer.save_beside(source, dir)
+}
+
+fn progress_bar(steps: u64, visible: bool) -> ProgressBar {
+    if !visible {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(steps);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:30.cyan/blue} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]",
+        )
+        .expect("a valid template"),
+    );
+    bar
+}

@@ -1,0 +1,219 @@
+//! `bastile finetune` and `bastile generate`: see `bastile --help`.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use bastile_cli::chat::ChatFormat;
+use bastile_cli::device::{DeviceKind, dispatch};
+use bastile_cli::finetune::{Finetune, FinetuneOptions};
+use bastile_cli::generate::{Generate, GenerateOptions};
+use bastile_cli::{CliError, DTypeArg};
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "bastile",
+    version,
+    about = "Finetune and run Qwen3, Llama 3.x and GPT-OSS models with Bastile's fused kernels"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args, Clone)]
+struct Common {
+    /// Where to run: CUDA if present (else the CPU), or a given device.
+    #[arg(long, value_enum, default_value = "auto")]
+    device: DeviceKind,
+    /// Parameter dtype (bf16 on CUDA, f32 elsewhere by default).
+    #[arg(long, value_enum, default_value = "auto")]
+    dtype: DTypeArg,
+    /// Run without Bastile's kernels: Burn's own ops (the baseline).
+    #[arg(long)]
+    no_bastile: bool,
+    /// An HF `tokenizer.json` (default: the model directory's).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// The chat format (default: the model family's).
+    #[arg(long, value_enum)]
+    chat_format: Option<ChatFormat>,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Finetune a model on a JSONL instruction data set. With no
+    /// arguments: the tiny preset on the embedded data set.
+    Finetune {
+        /// A model directory (HF checkpoint or a checkpoint of this
+        /// command) or a preset name.
+        #[arg(long, default_value = "bastile-tiny")]
+        model: String,
+        /// JSONL, one example a line: {"instruction", "input"?, "output"}
+        /// or {"messages": [{"role", "content"}, ...]} (default: the
+        /// embedded data set).
+        #[arg(long)]
+        data: Option<PathBuf>,
+        /// Output directory: checkpoint-N/ and final/ (HF safetensors).
+        #[arg(long, default_value = "bastile-out")]
+        output: PathBuf,
+        /// Examples are cut to this many tokens (default: the model's
+        /// context, at most 2048).
+        #[arg(long)]
+        max_seq: Option<usize>,
+        #[arg(long, default_value_t = 8)]
+        batch_size: usize,
+        /// Pad batches to a multiple of this many tokens (default: 64 on a
+        /// GPU, where each new length compiles and tunes new kernels; 1 on
+        /// the CPU).
+        #[arg(long)]
+        pad_to_multiple: Option<usize>,
+        /// Micro-batches per optimizer step.
+        #[arg(long, default_value_t = 1)]
+        grad_accum: usize,
+        /// Passes over the data (default: 60 for the tiny preset, which
+        /// starts from random weights, else 3).
+        #[arg(long)]
+        epochs: Option<usize>,
+        /// Optimizer steps (overrides --epochs).
+        #[arg(long)]
+        steps: Option<usize>,
+        /// Peak learning rate (default 3e-3 for the tiny preset, else 2e-5).
+        #[arg(long)]
+        lr: Option<f64>,
+        /// Linear warmup steps (default 5% of the steps).
+        #[arg(long)]
+        warmup_steps: Option<usize>,
+        #[arg(long, default_value_t = 0.0)]
+        weight_decay: f32,
+        /// Clip the global gradient norm (0: no clipping).
+        #[arg(long, default_value_t = 1.0)]
+        max_grad_norm: f32,
+        /// Save a checkpoint every N steps.
+        #[arg(long)]
+        save_every: Option<usize>,
+        /// Print a line every N steps when no progress bar is drawn.
+        #[arg(long, default_value_t = 10)]
+        log_every: usize,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Reply to prompts with one or more models, side by side.
+    Generate {
+        /// Model directories or presets (repeat to compare models).
+        #[arg(long, required = true)]
+        model: Vec<String>,
+        /// Prompts (repeat for several).
+        #[arg(long, required = true)]
+        prompt: Vec<String>,
+        #[arg(long, default_value_t = 128)]
+        max_new_tokens: usize,
+        /// Sampling temperature; 0 is greedy.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f64,
+        /// Nucleus sampling mass (with temperature > 0).
+        #[arg(long, default_value_t = 0.9)]
+        top_p: f64,
+        #[command(flatten)]
+        common: Common,
+    },
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<(), CliError> {
+    match cli.command {
+        Command::Finetune {
+            model,
+            data,
+            output,
+            max_seq,
+            batch_size,
+            pad_to_multiple,
+            grad_accum,
+            epochs,
+            steps,
+            lr,
+            warmup_steps,
+            weight_decay,
+            max_grad_norm,
+            save_every,
+            log_every,
+            common,
+        } => {
+            let options = FinetuneOptions {
+                model,
+                tokenizer: common.tokenizer,
+                data,
+                chat_format: common.chat_format,
+                output,
+                max_seq,
+                batch_size,
+                pad_to_multiple,
+                grad_accum,
+                epochs,
+                steps,
+                learning_rate: lr,
+                warmup_steps,
+                weight_decay,
+                max_grad_norm: (max_grad_norm > 0.0).then_some(max_grad_norm),
+                save_every,
+                dtype: common.dtype,
+                seed: common.seed,
+                progress: std::io::stderr().is_terminal(),
+                log_every,
+            };
+            dispatch(common.device, !common.no_bastile, Finetune(options))?;
+        }
+        Command::Generate {
+            model,
+            prompt,
+            max_new_tokens,
+            temperature,
+            top_p,
+            common,
+        } => {
+            let options = GenerateOptions {
+                models: model,
+                tokenizer: common.tokenizer,
+                chat_format: common.chat_format,
+                prompts: prompt,
+                max_new_tokens,
+                temperature,
+                top_p,
+                seed: common.seed,
+                dtype: common.dtype,
+            };
+            let replies = dispatch(common.device, !common.no_bastile, Generate(options))?;
+            let mut last_prompt = None;
+            // Grouped by prompt, so the models' answers sit side by side.
+            let mut order: Vec<usize> = (0..replies.len()).collect();
+            order.sort_by_key(|&i| {
+                replies
+                    .iter()
+                    .position(|r| r.prompt == replies[i].prompt)
+                    .unwrap_or(i)
+            });
+            for i in order {
+                let r = &replies[i];
+                if last_prompt != Some(&r.prompt) {
+                    println!("\n### {}", r.prompt);
+                    last_prompt = Some(&r.prompt);
+                }
+                println!("[{}] {}", r.model, r.text.trim());
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,199 @@
+//! `bastile finetune` end to end on the tiny preset and the embedded data
+//! set: the loss falls from the untrained level, checkpoints and the HF
+//! export load back and answer alike, the learned style shows in the
+//! replies, bad options fail before training, and on a GPU runtime the
+//! fused kernels follow the baseline's losses.
+
+use std::path::PathBuf;
+
+use bastile_cli::device::{DeviceKind, dispatch};
+use bastile_cli::finetune::{Finetune, FinetuneOptions, FinetuneReport};
+use bastile_cli::generate::{Generate, GenerateOptions};
+use bastile_cli::{CliError, DTypeArg};
+use bastile_cubecl::testing::runtime_selected;
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("bastile-ft-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn options(output: PathBuf, steps: usize) -> FinetuneOptions {
+    FinetuneOptions {
+        model: "bastile-tiny".into(),
+        tokenizer: None,
+        data: None,
+        chat_format: None,
+        output,
+        max_seq: None,
+        batch_size: 8,
+        pad_to_multiple: None,
+        grad_accum: 1,
+        epochs: None,
+        steps: Some(steps),
+        learning_rate: None,
+        warmup_steps: None,
+        weight_decay: 0.0,
+        max_grad_norm: Some(1.0),
+        save_every: None,
+        dtype: DTypeArg::Auto,
+        seed: 3,
+        progress: false,
+        log_every: 20,
+    }
+}
+
+fn finetune(
+    device: DeviceKind,
+    bastile: bool,
+    o: FinetuneOptions,
+) -> Result<FinetuneReport, CliError> {
+    dispatch(device, bastile, Finetune(o))
+}
+
+fn greedy(models: Vec<String>, prompt: &str) -> Vec<String> {
+    let o = GenerateOptions {
+        models,
+        tokenizer: None,
+        chat_format: None,
+        prompts: vec![prompt.into()],
+        max_new_tokens: 24,
+        temperature: 0.0,
+        top_p: 1.0,
+        seed: 0,
+        dtype: DTypeArg::Auto,
+    };
+    dispatch(DeviceKind::Cpu, false, Generate(o))
+        .unwrap()
+        .into_iter()
+        .map(|r| r.text)
+        .collect()
+}
+
+#[test]
+fn the_tiny_default_learns_the_embedded_style_on_the_cpu() {
+    let out = temp_dir("cpu");
+    let mut o = options(out.clone(), 120);
+    o.save_every = Some(60);
+    let report = finetune(DeviceKind::Cpu, true, o).unwrap();
+    let l = &report.losses;
+    assert_eq!(l.len(), 120);
+    // Untrained, the model is near uniform over its 264 tokens.
+    let uniform = (264f64).ln();
+    assert!(
+        (l[0] - uniform).abs() < 0.15 * uniform,
+        "first loss {}",
+        l[0]
+    );
+    let tail: f64 = l[110..].iter().sum::<f64>() / 10.0;
+    assert!(tail < 0.4 * l[0], "loss {} -> {tail}", l[0]);
+    assert_eq!(report.checkpoints, vec![out.join("checkpoint-60")]);
+    assert!(report.tokens > 120 * 8 * 20, "{} tokens", report.tokens);
+    // The HF export has learned the style; the untrained preset, asked
+    // beside it, has not.
+    let final_dir = report.final_dir.to_string_lossy().into_owned();
+    let replies = greedy(
+        vec![final_dir.clone(), "bastile-tiny".into()],
+        "What is Rust?",
+    );
+    assert!(replies[0].starts_with("Ahoy!"), "{replies:?}");
+    assert!(!replies[1].starts_with("Ahoy!"), "{replies:?}");
+    // Training goes on from the export and from the Burn-record
+    // checkpoint with their trained weights (a step at learning rate 0
+    // measures the loss where they stand).
+    let again = temp_dir("reload");
+    for (from, bound) in [
+        (final_dir, tail * 1.5 + 0.1),
+        (
+            out.join("checkpoint-60").to_string_lossy().into_owned(),
+            0.6 * l[0],
+        ),
+    ] {
+        let mut more = options(again.clone(), 1);
+        more.model = from.clone();
+        more.learning_rate = Some(0.0);
+        let next = finetune(DeviceKind::Cpu, false, more).unwrap();
+        assert!(
+            next.losses[0] < bound,
+            "{from}: {} (first {}, tail {tail})",
+            next.losses[0],
+            l[0]
+        );
+    }
+    let _ = std::fs::remove_dir_all(&out);
+    let _ = std::fs::remove_dir_all(&again);
+}
+
+#[test]
+fn bad_options_fail_before_training() {
+    let file = std::env::temp_dir().join(format!("bastile-ft-file-{}", std::process::id()));
+    std::fs::write(&file, b"").unwrap();
+    let e = finetune(DeviceKind::Cpu, false, options(file.join("out"), 1)).unwrap_err();
+    assert!(matches!(e, CliError::Io { .. }), "{e:?}");
+    let mut o = options(temp_dir("bad"), 1);
+    o.batch_size = 0;
+    let e = finetune(DeviceKind::Cpu, false, o).unwrap_err().to_string();
+    assert!(e.contains("--batch-size must be at least 1"), "{e}");
+    let mut o = options(temp_dir("bad"), 1);
+    o.model = "qwen3-0.6b".into();
+    let e = finetune(DeviceKind::Cpu, false, o).unwrap_err().to_string();
+    assert!(e.contains("pass --tokenizer"), "{e}");
+    let mut o = options(temp_dir("bad"), 1);
+    o.model = "no-such-model".into();
+    let e = finetune(DeviceKind::Cpu, false, o).unwrap_err().to_string();
+    assert!(e.contains("neither a model directory nor a preset"), "{e}");
+    let mut o = options(temp_dir("bad"), 1);
+    o.dtype = DTypeArg::Bf16;
+    let e = finetune(DeviceKind::Cpu, false, o).unwrap_err().to_string();
+    assert!(e.contains("needs --device cuda"), "{e}");
+    let data = std::env::temp_dir().join(format!("bastile-ft-data-{}.jsonl", std::process::id()));
+    std::fs::write(
+        &data,
+        "{\"instruction\": \"a\", \"output\": \"b\"}\nnot json\n",
+    )
+    .unwrap();
+    let mut o = options(temp_dir("bad"), 1);
+    o.data = Some(data.clone());
+    let e = finetune(DeviceKind::Cpu, false, o).unwrap_err().to_string();
+    assert!(
+        e.contains(&format!("{}:2: invalid JSON", data.display())),
+        "{e}"
+    );
+    let _ = std::fs::remove_file(&file);
+    let _ = std::fs::remove_file(&data);
+}
+
+#[test]
+fn the_command_line_reports_errors_with_a_failing_status() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_bastile"))
+        .args([
+            "finetune", "--device", "cpu", "--model", "nowhere", "--steps", "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("error: `nowhere` is neither a model directory nor a preset"),
+        "{stderr}"
+    );
+}
+
+/// With fused kernels on a GPU runtime, the tiny model's losses follow
+/// the baseline's (f32).
+#[test]
+fn fused_kernels_follow_the_baseline_on_vulkan() {
+    if !runtime_selected("wgpu", cfg!(feature = "wgpu")) {
+        return;
+    }
+    let run = |bastile| {
+        finetune(DeviceKind::Vulkan, bastile, options(temp_dir("vk"), 6))
+            .unwrap()
+            .losses
+    };
+    let (base, fused) = (run(false), run(true));
+    for (i, (a, b)) in base.iter().zip(&fused).enumerate() {
+        assert!((a - b).abs() <= 1e-4 * a.abs(), "step {i}: {a} vs {b}");
+    }
+    assert!(fused[5] < fused[0], "{fused:?}");
+}
