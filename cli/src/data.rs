@@ -18,8 +18,8 @@ pub const EMBEDDED: &str = include_str!("../data/tiny.jsonl");
 
 const ROLES: &[&str] = &["system", "user", "assistant", "developer"];
 
+/// Other fields (ids, categories, …) are ignored, as data sets carry them.
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
 struct Alpaca {
     instruction: String,
     #[serde(default)]

@@ -160,6 +160,13 @@ impl Task for Finetune {
             truncated: set.truncated,
             dropped: set.dropped,
         };
+        // The tokenizer files to copy into checkpoints: the model
+        // directory's, unless another tokenizer was named.
+        let tokenizer_dir = if o.tokenizer.is_some() {
+            None
+        } else {
+            source.dir()
+        };
         let pad_id = tokenizer.pad_id();
         let multiple = o.pad_to_multiple.unwrap_or(info.pad_multiple());
         let start = Instant::now();
@@ -198,7 +205,7 @@ impl Task for Finetune {
             }
             if o.save_every.is_some_and(|n| step % n == 0 && step < steps) {
                 let dir = o.output.join(format!("checkpoint-{step}"));
-                save_checkpoint(&model, &tokenizer, source.dir(), &dir)?;
+                save_checkpoint(&model, &tokenizer, tokenizer_dir, &dir)?;
                 bar.println(format!("saved {}", dir.display()));
                 report.checkpoints.push(dir);
             }
@@ -206,7 +213,7 @@ impl Task for Finetune {
         bar.finish();
         report.seconds = start.elapsed().as_secs_f64();
         model.save_hf_dir(&report.final_dir)?;
-        tokenizer.save_beside(source.dir(), &report.final_dir)?;
+        tokenizer.save_beside(tokenizer_dir, &report.final_dir)?;
         let first = report.losses.first().copied().unwrap_or(f64::NAN);
         let last = report.losses.last().copied().unwrap_or(f64::NAN);
         eprintln!(

@@ -134,7 +134,7 @@ fn parse(text: &str) -> Result<Vec<Vec<Message>>, CliError> {
 #[test]
 fn data_sets_parse_both_styles_and_report_bad_lines() {
     let ok = parse(concat!(
-        "{\"instruction\": \"Add\", \"input\": \"1 2\", \"output\": \"3\"}\n",
+        "{\"instruction\": \"Add\", \"input\": \"1 2\", \"output\": \"3\", \"category\": \"math\"}\n",
         "\n",
         "{\"messages\": [{\"role\": \"system\", \"content\": \"be brief\"},",
         " {\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"yo\"}]}\n",
