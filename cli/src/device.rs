@@ -4,7 +4,6 @@
 
 use bastile::{Bastile, BastileBackend};
 use burn::backend::{Autodiff, NdArray};
-use burn::tensor::DType;
 use burn::tensor::backend::AutodiffBackend;
 use clap::ValueEnum;
 
@@ -30,15 +29,6 @@ pub struct RunInfo {
 }
 
 impl RunInfo {
-    /// bf16 where the hardware trains in it, f32 elsewhere.
-    pub fn default_dtype(&self) -> DType {
-        if self.device == DeviceKind::Cuda {
-            DType::BF16
-        } else {
-            DType::F32
-        }
-    }
-
     /// Sequence lengths are padded up to a multiple of this: on a GPU
     /// every new length means new kernels to compile and matmuls to tune,
     /// so a few length buckets are much faster than exact lengths; on the

@@ -116,12 +116,7 @@ impl Task for Finetune {
                 "no example has a reply to train on within --max-seq tokens".into(),
             ));
         }
-        let dtype = o.dtype.resolve(info.default_dtype())?;
-        if info.device != crate::device::DeviceKind::Cuda && dtype != burn::tensor::DType::F32 {
-            return Err(CliError::Usage(format!(
-                "--dtype {dtype:?} needs --device cuda; train in f32 elsewhere"
-            )));
-        }
+        let dtype = o.dtype.resolve(&info)?;
         let mut model = model.with_dtype(dtype)?;
         let per_step = o.batch_size * o.grad_accum;
         let epochs = o.epochs.unwrap_or(if source.is_tiny() { 60 } else { 3 });
@@ -192,17 +187,15 @@ impl Task for Finetune {
             model = m;
             report.losses.push(out.loss);
             let rate = report.tokens as f64 / start.elapsed().as_secs_f64();
-            bar.set_message(format!(
+            let status = format!(
                 "loss {:.4}  lr {:.2e}  {rate:.0} tok/s",
                 out.loss, out.learning_rate
-            ));
-            bar.inc(1);
+            );
             if !o.progress && (step % o.log_every == 0 || step == steps) {
-                eprintln!(
-                    "step {step:>5}/{steps}  loss {:.4}  lr {:.2e}  {rate:.0} tok/s",
-                    out.loss, out.learning_rate
-                );
+                eprintln!("step {step:>5}/{steps}  {status}");
             }
+            bar.set_message(status);
+            bar.inc(1);
             if o.save_every.is_some_and(|n| step % n == 0 && step < steps) {
                 let dir = o.output.join(format!("checkpoint-{step}"));
                 save_checkpoint(&model, &tokenizer, tokenizer_dir, &dir)?;
@@ -266,10 +259,7 @@ fn save_checkpoint<B: AutodiffBackend>(
     source: Option<&Path>,
     dir: &Path,
 ) -> Result<(), CliError> {
-    std::fs::create_dir_all(dir).map_err(|e| CliError::io(dir, e))?;
-    let config = dir.join("config.json");
-    let text = serde_json::to_string_pretty(&model.hf_config).expect("a config serializes");
-    std::fs::write(&config, text).map_err(|e| CliError::io(&config, e))?;
+    model.save_config(dir)?;
     model
         .clone()
         .save_file(dir.join(RECORD), &recorder())

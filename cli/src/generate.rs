@@ -66,7 +66,7 @@ impl Task for Generate {
                 o.temperature, o.top_p
             )));
         }
-        let dtype = o.dtype.resolve(info.default_dtype())?;
+        let dtype = o.dtype.resolve(&info)?;
         let mut replies = Vec::new();
         for name in &o.models {
             let source = ModelSource::parse(name)?;

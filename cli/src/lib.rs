@@ -17,6 +17,8 @@ pub mod tokenizer;
 use burn::tensor::DType;
 use clap::ValueEnum;
 
+use crate::device::{DeviceKind, RunInfo};
+
 pub use error::CliError;
 
 /// The parameter dtype of a run.
@@ -30,12 +32,21 @@ pub enum DTypeArg {
 }
 
 impl DTypeArg {
-    pub fn resolve(self, auto: DType) -> Result<DType, CliError> {
-        Ok(match self {
-            Self::Auto => auto,
-            Self::F32 => DType::F32,
+    /// The dtype on the run's device: `auto` is bf16 on CUDA and f32
+    /// elsewhere; half precision anywhere but CUDA is an error.
+    pub fn resolve(self, info: &RunInfo) -> Result<DType, CliError> {
+        let cuda = info.device == DeviceKind::Cuda;
+        let dtype = match self {
+            Self::Auto if cuda => DType::BF16,
+            Self::Auto | Self::F32 => DType::F32,
             Self::Bf16 => DType::BF16,
             Self::F16 => DType::F16,
-        })
+        };
+        if !cuda && dtype != DType::F32 {
+            return Err(CliError::Usage(format!(
+                "--dtype {dtype:?} needs --device cuda; run in f32 elsewhere"
+            )));
+        }
+        Ok(dtype)
     }
 }

@@ -184,11 +184,19 @@ fn run(cli: Cli) -> Result<(), CliError> {
             top_p,
             common,
         } => {
+            // Each prompt once (a repeated one is asked once), in the order
+            // given, with every model's answer under it, side by side.
+            let mut prompts: Vec<String> = Vec::new();
+            for p in &prompt {
+                if !prompts.contains(p) {
+                    prompts.push(p.clone());
+                }
+            }
             let options = GenerateOptions {
                 models: model,
                 tokenizer: common.tokenizer,
                 chat_format: common.chat_format,
-                prompts: prompt,
+                prompts: prompts.clone(),
                 max_new_tokens,
                 temperature,
                 top_p,
@@ -196,22 +204,11 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 dtype: common.dtype,
             };
             let replies = dispatch(common.device, !common.no_bastile, Generate(options))?;
-            let mut last_prompt = None;
-            // Grouped by prompt, so the models' answers sit side by side.
-            let mut order: Vec<usize> = (0..replies.len()).collect();
-            order.sort_by_key(|&i| {
-                replies
-                    .iter()
-                    .position(|r| r.prompt == replies[i].prompt)
-                    .unwrap_or(i)
-            });
-            for i in order {
-                let r = &replies[i];
-                if last_prompt != Some(&r.prompt) {
-                    println!("\n### {}", r.prompt);
-                    last_prompt = Some(&r.prompt);
+            for p in &prompts {
+                println!("\n### {p}");
+                for r in replies.iter().filter(|r| &r.prompt == p) {
+                    println!("[{}] {}", r.model, r.text.trim());
                 }
-                println!("[{}] {}", r.model, r.text.trim());
             }
         }
     }

@@ -173,10 +173,10 @@ impl<B: Backend> CausalLm<B> {
         Ok(model)
     }
 
-    /// Writes `config.json` and `model.safetensors` that HF transformers
-    /// loads (`AutoModelForCausalLM.from_pretrained(dir)`), replacing a
-    /// checkpoint already there.
-    pub fn save_hf_dir(&self, dir: impl AsRef<Path>) -> Result<(), ModelError> {
+    /// Writes the model's `config.json` into `dir` (created if needed), with
+    /// HF's `architectures` and `torch_dtype` filled in; every checkpoint
+    /// format of the model shares it.
+    pub fn save_config(&self, dir: impl AsRef<Path>) -> Result<(), ModelError> {
         let dir = dir.as_ref();
         std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
         let mut hf = self.hf_config.clone();
@@ -192,7 +192,15 @@ impl<B: Backend> CausalLm<B> {
         hf.extra.insert("torch_dtype".into(), Value::from(dtype));
         let config = dir.join("config.json");
         let text = serde_json::to_string_pretty(&hf).expect("a config serializes");
-        std::fs::write(&config, text).map_err(|e| ModelError::io(&config, e))?;
+        std::fs::write(&config, text).map_err(|e| ModelError::io(&config, e))
+    }
+
+    /// Writes `config.json` and `model.safetensors` that HF transformers
+    /// loads (`AutoModelForCausalLM.from_pretrained(dir)`), replacing a
+    /// checkpoint already there.
+    pub fn save_hf_dir(&self, dir: impl AsRef<Path>) -> Result<(), ModelError> {
+        let dir = dir.as_ref();
+        self.save_config(dir)?;
         let file = dir.join(WEIGHTS);
         let mut store = SafetensorsStore::from_file(&file)
             .with_to_adapter(BurnToPyTorchAdapter)

@@ -19,8 +19,9 @@ pub const NAMES: &[&str] = &[
     "bastile-tiny",
 ];
 
-/// The vocabulary of [`TINY`]: the 256 bytes and eight special tokens, the
-/// byte-level tokenizer of the `bastile` command.
+/// The vocabulary of [`TINY`]: room for the 256 bytes and the special
+/// tokens of the `bastile` command's byte-level tokenizer, rounded up to a
+/// multiple of 8.
 pub const TINY_VOCAB: usize = 264;
 
 /// A Qwen3-architecture model small enough to train from scratch on a CPU
