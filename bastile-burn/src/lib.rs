@@ -55,7 +55,9 @@ pub use backend::Bastile;
 pub use bastile_cubecl::rms_norm::RmsNormCast;
 pub use error::BastileError;
 pub use ops::BastileBackend;
-pub use ops::attention::{AttentionOptions, attention};
+pub use ops::attention::{
+    AttentionKernels, AttentionOptions, attention, attention_kernels, set_attention_kernels,
+};
 pub use ops::cross_entropy::{CrossEntropyOptions, CrossEntropyOutput, Reduction, cross_entropy};
 pub use ops::geglu::geglu_oss;
 pub use ops::linear_cross_entropy::{LinearGrads, fused_linear_cross_entropy};

@@ -1,13 +1,17 @@
 //! Attention through Burn: `Autodiff<Bastile<B>>` (fused kernels) and
 //! `Autodiff<B>` (composite graph) against the f64 reference, output and
 //! the gradients of q, k, v and the sinks; every mask option, GQA,
-//! sequence-major views read in place; Burn's own `module::attention` on
+//! sequence-major views read in place; both the tiled kernels and the
+//! matrix-product path (several query blocks per case); Burn's own `module::attention` on
 //! `Bastile<B>` against the reference; and the errors of the checked entry
 //! point.
 
 mod common;
 
-use bastile::{AttentionOptions, Bastile, BastileBackend, BastileError, attention};
+use bastile::{
+    AttentionKernels, AttentionOptions, Bastile, BastileBackend, BastileError, attention,
+    set_attention_kernels,
+};
 use bastile_cubecl::reference::attention::{self as reference, AttentionSpec};
 use bastile_cubecl::testing::{Rng, assert_close, seq_major, tolerance};
 use burn::backend::Autodiff;
@@ -217,11 +221,22 @@ impl BackendTest for AutodiffMatches {
                 seq_major: false,
             },
         ];
-        for &dtype in dtypes {
-            for c in &cases {
-                check::<B>(c, dtype, name, device, &mut rng);
+        // Both kernel families; blocks of 8 query rows split every case
+        // into several blocks of the matrix-product path, with key ranges
+        // cut by the causal and window masks.
+        let kernels = [
+            AttentionKernels::Tiled,
+            AttentionKernels::MatrixProducts { block_rows: 8 },
+        ];
+        for k in kernels {
+            set_attention_kernels(k);
+            for &dtype in dtypes {
+                for c in &cases {
+                    check::<B>(c, dtype, &format!("{name} {k:?}"), device, &mut rng);
+                }
             }
         }
+        set_attention_kernels(AttentionKernels::Auto);
     }
 }
 

@@ -166,11 +166,14 @@ pub fn plan_matmul(
             _ => groups.push((count, strides)),
         }
     }
-    let (batch, batch_strides) = if groups.is_empty() {
-        (1, [0, 0, out_matrix])
-    } else {
-        groups.remove(0)
-    };
+    // The largest group becomes the strided batch and the others are
+    // looped as calls: a GQA product `[b, kv, group, ..] · [b, kv, 1, ..]`
+    // then runs as `group` calls of `kv` matrices, not the other way round.
+    let (batch, batch_strides) =
+        match (0..groups.len()).max_by_key(|&i| (groups[i].0, usize::MAX - i)) {
+            Some(i) => groups.remove(i),
+            None => (1, [0, 0, out_matrix]),
+        };
 
     let mut calls = vec![[0usize; 3]];
     for (count, strides) in groups {
@@ -379,6 +382,12 @@ mod tests {
         let plan = plan_matmul(&l, &contiguous(&l), &r2, &contiguous(&r2)).unwrap();
         assert_eq!((plan.batch, plan.calls.len()), (3, 2));
         check(&l, &contiguous(&l), &r2, &contiguous(&r2));
+        // GQA: rhs broadcast over the inner (group) dimension only; the
+        // larger kv-head dimension is the strided batch, the group loops.
+        let (lg, rg) = ([2, 4, 3, 2, 5], [2, 4, 1, 5, 6]);
+        let plan = plan_matmul(&lg, &contiguous(&lg), &rg, &contiguous(&rg)).unwrap();
+        assert_eq!((plan.batch, plan.calls.len()), (8, 3));
+        check(&lg, &contiguous(&lg), &rg, &contiguous(&rg));
         // lhs broadcast both ways around, with a transposed rhs.
         check(
             &[2, 1, 4, 5],

@@ -28,10 +28,41 @@ def qwen3(hidden, inter, layers, heads, kv_heads):
                 max_position_embeddings=40960)
 
 
+def llama(hidden, inter, layers, heads, kv_heads, head_dim):
+    return dict(model_type="llama", hidden_size=hidden, intermediate_size=inter,
+                num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=128256,
+                tie_word_embeddings=True, rope_theta=500000.0, rms_norm_eps=1e-5,
+                max_position_embeddings=131072,
+                rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                  high_freq_factor=4.0,
+                                  original_max_position_embeddings=8192))
+
+
+def gpt_oss(layers):
+    return dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880,
+                num_hidden_layers=layers, num_attention_heads=64, num_key_value_heads=8,
+                head_dim=64, vocab_size=201088, tie_word_embeddings=False,
+                rope_theta=150000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
+                attention_bias=True, num_local_experts=32, num_experts_per_tok=4,
+                sliding_window=128, swiglu_limit=7.0,
+                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                             for i in range(layers)],
+                rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0,
+                                  beta_slow=1.0, truncate=False,
+                                  original_max_position_embeddings=4096))
+
+
 PRESETS = {
     "qwen3-0.6b": qwen3(1024, 3072, 28, 16, 8),
     "qwen3-1.7b": qwen3(2048, 6144, 28, 16, 8),
+    "llama-3.2-1b": llama(2048, 8192, 16, 32, 8, 64),
+    "gpt-oss-20b-4l": gpt_oss(4),
 }
+
+# Liger's patch for each model type.
+LIGER = {"qwen3": "apply_liger_kernel_to_qwen3", "llama": "apply_liger_kernel_to_llama",
+         "gpt_oss": "apply_liger_kernel_to_gpt_oss"}
 
 
 NAMES = {"hf": "HF transformers (eager)", "liger": "HF + Liger-Kernel"}
@@ -44,9 +75,9 @@ def one(model_name, impl, batch, seq, steps):
     fields = dict(PRESETS[model_name])
     model_type = fields.pop("model_type")
     if impl == "liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+        import liger_kernel.transformers as liger
 
-        apply_liger_kernel_to_qwen3()
+        getattr(liger, LIGER[model_type])()
     config = AutoConfig.for_model(model_type, **fields)
     config._attn_implementation = "eager"
     torch.manual_seed(0)

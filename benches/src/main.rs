@@ -34,6 +34,24 @@ pub enum OpName {
     Attention,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum AttentionArg {
+    Auto,
+    Tiled,
+    Products,
+}
+
+impl AttentionArg {
+    /// Makes this choice the process's attention kernels.
+    pub fn apply(self) {
+        bastile::set_attention_kernels(match self {
+            Self::Auto => bastile::AttentionKernels::Auto,
+            Self::Tiled => bastile::AttentionKernels::Tiled,
+            Self::Products => bastile::AttentionKernels::MatrixProducts { block_rows: 0 },
+        });
+    }
+}
+
 #[derive(Parser, Debug)]
 #[command(about = "Benchmarks Bastile's fused kernels against Burn's composite ops")]
 pub struct Args {
@@ -74,6 +92,11 @@ pub struct Args {
     /// With `--model`: timed training steps (after two warm-up steps).
     #[arg(long, default_value_t = 5)]
     pub steps: usize,
+    /// With `--model` or `--op attention`: which attention kernels
+    /// Bastile runs (`auto`: matrix products on cuBLASLt where the matmul
+    /// patch runs there, tiled kernels elsewhere).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub attention: AttentionArg,
     /// Internal: this process measures one training configuration.
     #[arg(long, hide = true)]
     pub child: bool,
@@ -121,6 +144,7 @@ where
     B: bastile::ops::KernelBackend + bastile::BastileBackend,
 {
     let device = B::Device::default();
+    args.attention.apply();
     if args.model.is_some() {
         let mut report = report::Report::new(runtime, &B::name(&device), args.tiny, f64::NAN);
         match args.implementation {

@@ -76,7 +76,11 @@ pub fn sweep(args: &Args, report: &mut Report) {
         for &seq in &args.seq {
             for &imp in &impls {
                 eprintln!("== train {model} batch {batch} seq {seq}: {}", imp.name());
-                let row = child(&exe, args, model, batch, seq, imp);
+                let mut row = child(&exe, args, model, batch, seq, imp);
+                if args.attention != crate::AttentionArg::Auto && imp != TrainImpl::Burn {
+                    row.implementation =
+                        format!("{}, {} attention", row.implementation, attention_name(args));
+                }
                 match (&row.ms_per_step, &row.error) {
                     (Some(ms), _) => eprintln!(
                         "   {ms:.1} ms/step, {:.0} tokens/s, {:.0} MiB reserved",
@@ -123,6 +127,7 @@ fn child(
         .arg(imp_name.get_name())
         .args(["--batch", &batch.to_string(), "--seq", &seq.to_string()])
         .args(["--steps", &args.steps.to_string(), "--child"])
+        .args(["--attention", attention_name(args)])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn();
@@ -171,6 +176,14 @@ fn child(
                 format!("exited with {status:?}: {why}")
             })
         }
+    }
+}
+
+fn attention_name(args: &Args) -> &'static str {
+    match args.attention {
+        crate::AttentionArg::Auto => "auto",
+        crate::AttentionArg::Tiled => "tiled",
+        crate::AttentionArg::Products => "products",
     }
 }
 

@@ -447,6 +447,10 @@ impl<B: FusionBackend + KernelBackend> KernelBackend for Fusion<B> {
         LinearGrads::from_vec(out, has_bias)
     }
 
+    fn attention_by_products(device: &Device<Self>, dtype: DType) -> bool {
+        B::attention_by_products(device, dtype)
+    }
+
     fn attention_supported(
         device: &Device<Self>,
         dims: &[Shape; 2],

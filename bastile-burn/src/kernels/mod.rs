@@ -182,6 +182,12 @@ pub trait KernelBackend: Backend {
         false
     }
 
+    /// Whether fused attention on `device` in `dtype` runs on the
+    /// matrix-product path (see [`crate::AttentionKernels`]).
+    fn attention_by_products(_device: &Device<Self>, _dtype: DType) -> bool {
+        false
+    }
+
     /// Fused attention forward: `(out, lse)`, `lse` f32 `[batch, heads, seq_q]`.
     fn attention_forward_kernel(
         _q: FloatTensor<Self>,

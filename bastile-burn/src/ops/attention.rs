@@ -31,34 +31,103 @@ use crate::ops::{check_float, check_same_device, float};
 use crate::{BastileBackend, BastileError};
 
 /// Score-matrix size (`batch · heads · seq_q · seq_k` elements) from which
-/// `Bastile<B>` runs the fused kernels; below it, the composite path.
+/// `Bastile<B>` runs the tiled attention kernels; below it, the composite
+/// path.
 ///
-/// The fused kernels are the portable shared-memory path (f32 FMA, no
-/// tensor cores yet): on an H100 they are slower than the composite's
-/// matrix products but keep memory linear in the sequence (475 MiB against
-/// 25.8 GB for one Qwen3-sized layer at 8192 tokens). The default, 2²⁷
-/// elements (512 MiB of f32 scores per call, e.g. 16 heads at 4096
-/// tokens), takes them where the composite's saved scores start to decide
-/// whether a model fits.
+/// The tiled kernels are the portable shared-memory path (f32 FMA): on an
+/// H100 they are slower than the composite's matrix products but keep
+/// memory linear in the sequence (475 MiB against 25.8 GB for one
+/// Qwen3-sized layer at 8192 tokens). The default, 2²⁷ elements (512 MiB
+/// of f32 scores per call, e.g. 16 heads at 4096 tokens), takes them where
+/// the composite's saved scores start to decide whether a model fits. The
+/// matrix-product path (see [`AttentionKernels`]) is faster than the
+/// composite at every size measured and runs whatever the size.
 pub const DEFAULT_FUSED_FROM: u64 = 1 << 27;
 
 static FUSED_FROM: AtomicU64 = AtomicU64::new(DEFAULT_FUSED_FROM);
 
-/// Sets the score-matrix size from which the fused attention kernels run
+/// Sets the score-matrix size from which the tiled attention kernels run
 /// (0: always, `u64::MAX`: never; see [`DEFAULT_FUSED_FROM`]).
 pub fn set_fused_from(score_elements: u64) {
     FUSED_FROM.store(score_elements, Ordering::SeqCst);
 }
 
-/// Whether a call with query and key shapes `dims` is large enough for the
-/// fused kernels (see [`set_fused_from`]).
-pub fn worth_fusing(dims: &[Shape; 2]) -> bool {
+/// Whether a call with query and key shapes `dims` takes the fused path:
+/// always on the matrix-product path (`products`), from the size set by
+/// [`set_fused_from`] on the tiled kernels.
+pub fn worth_fusing(dims: &[Shape; 2], products: bool) -> bool {
     let [q, k] = dims;
     if q.num_dims() != 4 || k.num_dims() != 4 {
         return false;
     }
     let elements = (q[0] * q[1]) as u64 * (q[2] * k[2]) as u64;
-    elements >= FUSED_FROM.load(Ordering::SeqCst)
+    products || elements >= FUSED_FROM.load(Ordering::SeqCst)
+}
+
+/// Which kernels the fused attention runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttentionKernels {
+    /// Matrix products where the `matmul` patch runs them on cuBLASLt
+    /// (CUDA: tensor cores, several times faster than the tiled kernels
+    /// there), the tiled kernels everywhere else.
+    #[default]
+    Auto,
+    /// The tiled flash-style kernels (shared-memory tiles, f32 FMA) on
+    /// every runtime.
+    Tiled,
+    /// Blocks of query rows through matrix products and row kernels on
+    /// every runtime (the runtime's own matmul where cuBLASLt is absent),
+    /// at most `block_rows` query rows per block; 0 sizes the blocks from
+    /// [`BLOCK_SCORES`].
+    MatrixProducts { block_rows: usize },
+}
+
+/// Score elements (`batch · heads · rows · keys`) one block of the
+/// matrix-product path may hold: 2²⁶, i.e. 256 MiB of f32 scores, plus the
+/// same again for their gradient and two half-size matrices in the
+/// backward. Constant in the sequence length, so memory stays linear in it.
+pub const BLOCK_SCORES: usize = 1 << 26;
+
+/// 0: auto, 1: tiled, n ≥ 2: matrix products with `n − 2` block rows.
+static KERNELS: AtomicU64 = AtomicU64::new(0);
+
+/// Chooses the attention kernels (see [`AttentionKernels`]); process-wide,
+/// read at every call.
+pub fn set_attention_kernels(kernels: AttentionKernels) {
+    let code = match kernels {
+        AttentionKernels::Auto => 0,
+        AttentionKernels::Tiled => 1,
+        AttentionKernels::MatrixProducts { block_rows } => 2 + block_rows as u64,
+    };
+    KERNELS.store(code, Ordering::SeqCst);
+}
+
+/// The attention kernels in use (see [`set_attention_kernels`]).
+pub fn attention_kernels() -> AttentionKernels {
+    match KERNELS.load(Ordering::SeqCst) {
+        0 => AttentionKernels::Auto,
+        1 => AttentionKernels::Tiled,
+        n => AttentionKernels::MatrixProducts {
+            block_rows: (n - 2) as usize,
+        },
+    }
+}
+
+/// Query rows per block of the matrix-product path for `batch · heads`
+/// score matrices of `seq_k` keys: the configured count, or as many as
+/// [`BLOCK_SCORES`] allows, a multiple of 64 (at least 16).
+pub(crate) fn block_rows(matrices: usize, seq_k: usize) -> usize {
+    match attention_kernels() {
+        AttentionKernels::MatrixProducts { block_rows } if block_rows > 0 => block_rows,
+        _ => {
+            let rows = BLOCK_SCORES / (matrices * seq_k).max(1);
+            if rows >= 64 {
+                rows / 64 * 64
+            } else {
+                rows.max(16)
+            }
+        }
+    }
 }
 
 /// What an attention call does besides its tensors.

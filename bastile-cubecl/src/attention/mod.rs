@@ -25,6 +25,7 @@
 //! head dim, dtype, masks).
 
 mod backward;
+mod blocks;
 mod forward;
 mod tile;
 
@@ -32,6 +33,7 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 use cubecl::tune::{LocalTuner, local_tuner};
 
+pub use blocks::{BlockGradBuffers, BlockSoftmaxBuffers, QueryBlock, block_grad, block_softmax};
 pub use tile::AttnTile;
 
 use crate::tune::{CandidateCache, Tuner, run_tuned};
@@ -319,35 +321,16 @@ pub fn backward_with<R: Runtime>(
     let p = problem;
     let b = &buffers;
     let strides = || seq_strides(&[&b.q, &b.k, &b.v, &b.out, &b.dout, &b.dq, &b.dk, &b.dv]);
-    let sinks = b.sinks.clone().unwrap_or_else(|| dummy(client));
     let lengths = b.key_lengths.clone().unwrap_or_else(|| dummy(client));
-    let dsink_rows = b.dsink_rows.clone().unwrap_or_else(|| dummy(client));
     let rows = p.query_rows();
-    let units = config.units() as usize;
     let q_arg = || b.q.arg(p.batch, p.heads, p.seq_q, p.head_dim);
     let k_arg = || b.k.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim);
     let v_arg = || b.v.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim);
     let do_arg = || b.dout.arg(p.batch, p.heads, p.seq_q, p.head_dim);
     let stat = |h: &Handle| flat_arg::<R>(h, rows);
     let lengths_arg = || flat_arg::<R>(&lengths, p.batch);
+    launch_delta(client, p, b, config, t)?;
     unsafe {
-        backward::attention_delta_kernel::launch_unchecked::<R>(
-            client,
-            launch::cube_count(client, rows.div_ceil(units))?,
-            CubeDim::new_1d(config.units()),
-            b.out.arg(p.batch, p.heads, p.seq_q, p.head_dim),
-            do_arg(),
-            stat(&b.lse),
-            flat_arg(&sinks, p.heads),
-            stat(&b.delta),
-            flat_arg(&dsink_rows, if p.sinks { rows } else { 1 }),
-            strides(),
-            p.heads,
-            p.seq_q,
-            rows,
-            t,
-            p.dtype.storage(),
-        );
         let k_blocks = p.seq_k.div_ceil(config.rows as usize);
         backward::attention_dkdv_kernel::launch_unchecked::<R>(
             client,
@@ -396,6 +379,59 @@ pub fn backward_with<R: Runtime>(
             q_blocks,
             p.window.unwrap_or(0),
             p.scale,
+            t,
+            p.dtype.storage(),
+        );
+    }
+    Ok(())
+}
+
+/// Launches only the backward's first kernel: `delta` (`Σ_d dO·O` per
+/// query row, f32 `[batch, heads, seq_q]`) and, with sinks, `dsink_rows`
+/// (each row's share of the sink gradient). The matrix-product path needs
+/// these before its first block.
+pub fn backward_delta<R: Runtime>(
+    client: &ComputeClient<R>,
+    problem: &AttentionProblem,
+    buffers: &AttentionBackwardBuffers,
+) -> Result<(), KernelError> {
+    problem.validate()?;
+    // One row per unit: the tile's shape only sets the cube size.
+    let config = AttnLaunch {
+        rows: 64,
+        cols: 1,
+        upr: 1,
+    };
+    launch_delta(client, problem, buffers, &config, config.tile(problem))
+}
+
+fn launch_delta<R: Runtime>(
+    client: &ComputeClient<R>,
+    p: &AttentionProblem,
+    b: &AttentionBackwardBuffers,
+    config: &AttnLaunch,
+    t: AttnTile,
+) -> Result<(), KernelError> {
+    let rows = p.query_rows();
+    let units = config.units() as usize;
+    let strides = seq_strides(&[&b.q, &b.k, &b.v, &b.out, &b.dout, &b.dq, &b.dk, &b.dv]);
+    let sinks = b.sinks.clone().unwrap_or_else(|| dummy(client));
+    let dsink_rows = b.dsink_rows.clone().unwrap_or_else(|| dummy(client));
+    unsafe {
+        backward::attention_delta_kernel::launch_unchecked::<R>(
+            client,
+            launch::cube_count(client, rows.div_ceil(units))?,
+            CubeDim::new_1d(config.units()),
+            b.out.arg(p.batch, p.heads, p.seq_q, p.head_dim),
+            b.dout.arg(p.batch, p.heads, p.seq_q, p.head_dim),
+            flat_arg(&b.lse, rows),
+            flat_arg(&sinks, p.heads),
+            flat_arg(&b.delta, rows),
+            flat_arg(&dsink_rows, if p.sinks { rows } else { 1 }),
+            strides,
+            p.heads,
+            p.seq_q,
+            rows,
             t,
             p.dtype.storage(),
         );

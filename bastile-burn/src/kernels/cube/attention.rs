@@ -11,7 +11,8 @@ use bastile_cubecl::attention::{
 
 use super::cross_entropy::labels_i32;
 use crate::kernels::kernel_dtype;
-use crate::ops::attention::{AttentionGrads, AttentionSpec};
+use crate::ops::attention::{AttentionGrads, AttentionKernels, AttentionSpec, attention_kernels};
+use crate::patches::{Op, is_enabled};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
 /// The problem for query and key shapes `[b, h, s, d]`, if the kernels
@@ -53,8 +54,20 @@ pub(super) fn supported<R: CubeRuntime>(
         .is_some_and(|p| attention::supported(&R::client(device), &p))
 }
 
+/// Whether a call on `device` in `dtype` runs on the matrix-product path
+/// (see [`AttentionKernels`]).
+pub(super) fn by_products<R: CubeRuntime>(device: &R::Device, dtype: DType) -> bool {
+    match attention_kernels() {
+        AttentionKernels::Auto => {
+            is_enabled(Op::Matmul) && super::matmul::supported::<R>(device, dtype)
+        }
+        AttentionKernels::Tiled => false,
+        AttentionKernels::MatrixProducts { .. } => true,
+    }
+}
+
 /// The problem of a call whose support was checked before the launch.
-fn checked_problem<R: CubeRuntime>(
+pub(super) fn checked_problem<R: CubeRuntime>(
     q: &CubeTensor<R>,
     k: &CubeTensor<R>,
     spec: &AttentionSpec,
@@ -67,7 +80,7 @@ fn checked_problem<R: CubeRuntime>(
 }
 
 /// The tensor with a unit-stride head dim, and its layout.
-fn heads<R: CubeRuntime>(t: CubeTensor<R>) -> (CubeTensor<R>, HeadLayout) {
+pub(super) fn heads<R: CubeRuntime>(t: CubeTensor<R>) -> (CubeTensor<R>, HeadLayout) {
     let t = if t.meta.strides()[3] == 1 || t.shape()[3] == 1 {
         t
     } else {
@@ -99,7 +112,7 @@ fn f32_rows<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape) -> CubeTensor<R>
 }
 
 /// Sinks as contiguous f32.
-fn sinks_f32<R: CubeRuntime>(s: CubeTensor<R>) -> CubeTensor<R> {
+pub(super) fn sinks_f32<R: CubeRuntime>(s: CubeTensor<R>) -> CubeTensor<R> {
     let s = if s.dtype == DType::F32 {
         s
     } else {

@@ -3,6 +3,7 @@
 //! outputs, run the autotuned kernel. One file per op.
 
 mod attention;
+mod attention_products;
 mod cross_entropy;
 mod geglu;
 mod linear_cross_entropy;
@@ -243,6 +244,10 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KernelBack
             .expect("a gradient pass returns gradients")
     }
 
+    fn attention_by_products(device: &Device<Self>, dtype: DType) -> bool {
+        attention::by_products::<R>(device, dtype)
+    }
+
     fn attention_supported(
         device: &Device<Self>,
         dims: &[Shape; 2],
@@ -260,7 +265,11 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KernelBack
         key_lengths: Option<IntTensor<Self>>,
         spec: AttentionSpec,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        attention::forward(q, k, v, sinks, key_lengths, spec)
+        if attention::by_products::<R>(&q.device, q.dtype) {
+            attention_products::forward::<R, F, I, BT>(q, k, v, sinks, key_lengths, spec)
+        } else {
+            attention::forward(q, k, v, sinks, key_lengths, spec)
+        }
     }
 
     fn attention_backward_kernel(
@@ -274,6 +283,20 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KernelBack
         key_lengths: Option<IntTensor<Self>>,
         spec: AttentionSpec,
     ) -> AttentionGrads<FloatTensor<Self>> {
-        attention::backward(q, k, v, out, lse, dout, sinks, key_lengths, spec)
+        if attention::by_products::<R>(&q.device, q.dtype) {
+            attention_products::backward::<R, F, I, BT>(
+                q,
+                k,
+                v,
+                out,
+                lse,
+                dout,
+                sinks,
+                key_lengths,
+                spec,
+            )
+        } else {
+            attention::backward(q, k, v, out, lse, dout, sinks, key_lengths, spec)
+        }
     }
 }
