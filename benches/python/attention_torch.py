@@ -3,11 +3,14 @@
 forward and forward+backward time, causal TFLOP/s counted the same way
 (half the score matrix; backward = 2.5 forwards) and peak memory.
 
+Prints one JSON object per row on stdout (progress on stderr).
+
 Usage: python3 attention_torch.py [--seq 2048,4096,8192,16384] [--out results.json]
 """
 
 import argparse
 import json
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -67,9 +70,11 @@ def main():
             "fwd_bwd_tflops": 3.5 * flops / both_ms / 1e9,
             "peak_mib": peak,
         }
+        print(json.dumps(row), flush=True)
         print(
             f"attention seq {seq:>6} torch    fwd {fwd_ms:9.3f} ms {row['fwd_tflops']:6.1f} TFLOP/s  "
-            f"fwd+bwd {both_ms:9.3f} ms {row['fwd_bwd_tflops']:6.1f} TFLOP/s  peak {peak:8.0f} MiB"
+            f"fwd+bwd {both_ms:9.3f} ms {row['fwd_bwd_tflops']:6.1f} TFLOP/s  peak {peak:8.0f} MiB",
+            file=sys.stderr,
         )
         rows.append(row)
         del q, k, v

@@ -5,10 +5,10 @@ Implementations, each forward + backward of the mean cross-entropy over the
 non-padding tokens of `hidden @ weight.T`:
   * `torch`: the usual composite (bf16 logits, upcast to f32, F.cross_entropy);
   * `liger`: Liger-Kernel's fused linear cross-entropy (if importable);
-  * `bare matmuls`: the three matmuls alone (logits, d_hidden, d_weight).
+  * `torch bare matmuls`: the three matmuls alone (logits, d_hidden, d_weight).
 
-Peak memory is `torch.cuda.max_memory_allocated` during one call minus what
-the inputs hold. Prints one JSON object per row on stdout.
+Peak memory is `torch.cuda.max_memory_allocated` during one call
+(`peak_mib`, inputs included) and what the inputs hold (`inputs_mib`). Prints one JSON object per row on stdout.
 
 Usage: python3 flce_torch.py [--shapes 8192x4096x151936,...] [--samples 5]
 """
@@ -91,7 +91,7 @@ def main():
     p.add_argument("--samples", type=int, default=5)
     a = p.parse_args()
     device = torch.device("cuda")
-    runs = [("torch", composite), ("bare matmuls", bare)]
+    runs = [("torch", composite), ("torch bare matmuls", bare)]
     lg = liger()
     if lg is not None:
         runs.insert(1, ("liger", lg))
@@ -111,7 +111,7 @@ def main():
                         "implementation": name,
                         "ms": ms,
                         "tflops": flops / (ms * 1e-3) / 1e12,
-                        "extra_mib": peak / 2**20,
+                        "peak_mib": (inputs + peak) / 2**20,
                         "inputs_mib": inputs / 2**20,
                         "device": torch.cuda.get_device_name(device),
                     }

@@ -1,11 +1,14 @@
 """cuBLAS matmul throughput through PyTorch on the same shapes as
 `cargo xtask bench --op matmul`, for the side-by-side table.
 
+Prints one JSON object per row on stdout (progress on stderr).
+
 Usage: python3 matmul_torch.py [--out results.json]
 """
 
 import argparse
 import json
+import sys
 
 import torch
 
@@ -48,8 +51,10 @@ def main():
         ms = median_ms(lambda: torch.matmul(lhs, rhs))
         tflops = 2.0 * b * m * k * n / (ms * 1e-3) / 1e12
         shape = f"{name} {b}×{m}×{k}×{n}"
-        print(f"{shape:<34} torch (cuBLAS) {ms:9.3f} ms {tflops:7.1f} TFLOP/s")
-        rows.append(dict(shape=shape, dtype="bf16", implementation="torch (cuBLAS)", ms=ms, tflops=tflops))
+        print(f"{shape:<34} torch (cuBLAS) {ms:9.3f} ms {tflops:7.1f} TFLOP/s", file=sys.stderr)
+        row = dict(shape=shape, dtype="bf16", implementation="torch (cuBLAS)", ms=ms, tflops=tflops)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, matmul=rows), f, indent=2)

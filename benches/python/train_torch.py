@@ -129,8 +129,11 @@ def main():
         return
     rows = []
     for batch in a.batch:
+        # An implementation that fails at one length is not tried at longer
+        # ones (as in the Rust sweep).
+        failed = set()
         for seq in a.seq:
-            for impl in a.impl:
+            for impl in (i for i in a.impl if i not in failed):
                 cmd = [sys.executable, __file__, "--child", "--model", a.model, "--impl", impl,
                        "--batch", str(batch), "--seq", str(seq), "--steps", str(a.steps)]
                 r = subprocess.run(cmd, capture_output=True, text=True)
@@ -145,6 +148,7 @@ def main():
                            "implementation": NAMES[impl], "ms_per_step": None,
                            "tokens_per_s": None, "peak_mib": None,
                            "error": "out of memory" if oom else last}
+                    failed.add(impl)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     if a.out:

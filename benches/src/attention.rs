@@ -8,10 +8,10 @@ use bastile::{AttentionOptions, Bastile, BastileBackend, attention};
 use burn::backend::Autodiff;
 use burn::tensor::{DType, Distribution, Tensor};
 
-use crate::Args;
 use crate::report::{AttentionRow, Report};
 use crate::timing::median_seconds;
 use crate::train::TrainImpl;
+use crate::{Args, progress};
 
 /// `(batch, heads, kv_heads, head_dim)`; the sequence lengths come from
 /// `--seq` and `--impl burn` / `--impl bastile` picks one side, so that
@@ -91,25 +91,45 @@ where
     let (shape, dtype, seqs) = if args.tiny {
         (TINY, DType::F32, vec![64, 200])
     } else {
-        (SHAPE, DType::BF16, args.seq.clone())
+        (
+            SHAPE,
+            DType::BF16,
+            args.seq
+                .clone()
+                .unwrap_or_else(|| vec![2048, 4096, 8192, 16384]),
+        )
     };
     let (b, h, hk, d) = shape;
     let samples = args.samples.clamp(1, 10);
+    // Burn's attention saves `[seq, seq]` scores and runs out of memory at
+    // long sequences; its first failure ends its side of the sweep.
+    let mut failed: Vec<&str> = Vec::new();
     for seq in seqs {
         let causal_fwd = 4.0 * (b * h * d) as f64 * (seq * seq) as f64 / 2.0;
         for implementation in ["bastile", "burn"] {
-            let wanted = match args.implementation {
-                None => true,
-                Some(TrainImpl::Burn) => implementation == "burn",
-                Some(_) => implementation == "bastile",
-            };
-            if !wanted {
+            // `bastile` and `bastile (Burn matmul)` both name our side.
+            let wanted = args.implementation.is_empty()
+                || args
+                    .implementation
+                    .iter()
+                    .any(|&i| (i == TrainImpl::Burn) == (implementation == "burn"));
+            if !wanted || failed.contains(&implementation) {
                 continue;
             }
-            let (fwd, both, peak) = if implementation == "bastile" {
-                measure::<R, Bastile<B>>(seq, shape, dtype, samples, device)
-            } else {
-                measure::<R, B>(seq, shape, dtype, samples, device)
+            let measured = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                if implementation == "bastile" {
+                    measure::<R, Bastile<B>>(seq, shape, dtype, samples, device)
+                } else {
+                    measure::<R, B>(seq, shape, dtype, samples, device)
+                }
+            }));
+            let Ok((fwd, both, peak)) = measured else {
+                report.notes.push(format!(
+                    "attention seq {seq}: {implementation} failed (out of memory?); longer sequences skipped"
+                ));
+                failed.push(implementation);
+                B::memory_cleanup(device);
+                continue;
             };
             let row = AttentionRow {
                 shape: format!("b{b} hq{h} hkv{hk} d{d} causal"),
@@ -122,7 +142,7 @@ where
                 fwd_bwd_tflops: 3.5 * causal_fwd / both / 1e12,
                 peak_mib: peak,
             };
-            eprintln!(
+            progress::log(format!(
                 "attention seq {:>6} {:<8} fwd {:>9.3} ms {:>6.1} TFLOP/s  fwd+bwd {:>9.3} ms {:>6.1} TFLOP/s  peak {:>8.0} MiB",
                 row.seq,
                 row.implementation,
@@ -131,7 +151,7 @@ where
                 row.fwd_bwd_ms,
                 row.fwd_bwd_tflops,
                 row.peak_mib
-            );
+            ));
             report.attention.push(row);
         }
     }

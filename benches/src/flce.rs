@@ -123,7 +123,7 @@ where
         configs.push((shape, "bare matmuls".into(), None, Box::new(bare::<B>)));
     }
     for (i, (shape, name, chunk, _)) in configs.iter().enumerate() {
-        eprintln!("flce case {i}: {shape:?} {name} chunk {chunk:?}");
+        crate::progress::log(format!("flce case {i}: {shape:?} {name} chunk {chunk:?}"));
     }
     for (i, ((n, h, v), name, chunk, run)) in configs.into_iter().enumerate() {
         if args.case.is_some_and(|c| c != i) {
@@ -158,7 +158,7 @@ where
             peak_mib: peak as f64 / (1u64 << 20) as f64,
             inputs_mib: before as f64 / (1u64 << 20) as f64,
         };
-        eprintln!(
+        crate::progress::log(format!(
             "flce {:<22} {:<14} chunk {:>6} {:>9.2} ms {:>7.1} TFLOP/s peak {:>9.0} MiB (inputs {:.0} MiB)",
             row.shape,
             row.implementation,
@@ -167,7 +167,7 @@ where
             row.tflops,
             row.peak_mib,
             row.inputs_mib
-        );
+        ));
         report.flce.push(row);
         drop(d);
     }

@@ -1,13 +1,20 @@
 //! `bastile-bench`: Bastile's fused kernels against Burn's composite ops on
 //! one device, in one process, with the device's measured copy bandwidth as
-//! the yardstick. `cargo xtask bench` builds and runs it.
+//! the yardstick; end-to-end training steps against Burn, each
+//! configuration in a process of its own; optionally the same work through
+//! PyTorch. Results are printed as Markdown and written as JSON, Markdown
+//! and PNG charts. `cargo xtask bench` builds and runs it.
 
 mod attention;
+mod chart;
 mod copy;
 mod flce;
 mod geglu;
 mod matmul;
 mod passes;
+mod progress;
+mod pytorch;
+mod replot;
 mod report;
 mod rms_norm;
 mod rope;
@@ -15,6 +22,7 @@ mod swiglu;
 mod timing;
 mod train;
 
+use burn::tensor::DType;
 use clap::{Parser, ValueEnum};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -52,19 +60,41 @@ impl AttentionArg {
     }
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DtypeArg {
+    Bf16,
+    F16,
+    F32,
+}
+
+/// How a dtype is written in the results.
+pub fn dtype_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        DType::F32 => "f32",
+        _ => "other",
+    }
+}
+
 #[derive(Parser, Debug)]
-#[command(about = "Benchmarks Bastile's fused kernels against Burn's composite ops")]
+#[command(
+    about = "Benchmarks Bastile's fused kernels against Burn's composite ops, and training steps against Burn (and PyTorch)",
+    long_about = "Benchmarks Bastile's fused kernels against Burn's composite ops, and training steps against Burn (and, with --compare-pytorch, HF transformers and HF + Liger-Kernel).\n\nWithout --op or --model it runs the default suite: every kernel, then training of the default models over sequence lengths 1024, 2048, ... until every implementation is out of memory, at batch 1 and 4. With --tiny (the software Vulkan device) the suite uses small shapes and the tiny model preset."
+)]
 pub struct Args {
-    /// Which op to benchmark (all when omitted).
+    /// Which op to benchmark (all when neither this nor `--model` is
+    /// given).
     #[arg(long, value_enum)]
     pub op: Option<OpName>,
-    /// The runtime to run on.
-    #[arg(long, value_enum)]
-    pub runtime: Runtime,
+    /// The runtime to run on (not needed with `--replot`).
+    #[arg(long, value_enum, required_unless_present = "replot")]
+    pub runtime: Option<Runtime>,
     /// Use the small shapes meant for the software Vulkan driver.
     #[arg(long)]
     pub tiny: bool,
-    /// Write the results as JSON (and Markdown beside it, `.md`).
+    /// Write the results as JSON, with Markdown (`.md`) and PNG charts
+    /// (`-<name>.png`) beside it.
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
     /// With `--op flce`: run only this configuration (index into the list
@@ -75,36 +105,103 @@ pub struct Args {
     /// Timed repetitions per measurement (the median is reported).
     #[arg(long, default_value_t = 15)]
     pub samples: usize,
-    /// Train this model preset end to end (random weights, bf16, AdamW)
-    /// instead of benchmarking kernels, e.g. `qwen3-0.6b`.
-    #[arg(long)]
-    pub model: Option<String>,
-    /// With `--model` or `--op attention`: sequence lengths to sweep.
-    #[arg(long, value_delimiter = ',', default_value = "4096")]
-    pub seq: Vec<usize>,
-    /// With `--model`: batch sizes to sweep.
-    #[arg(long, value_delimiter = ',', default_value = "1")]
-    pub batch: Vec<usize>,
-    /// With `--model`: only this implementation (all three when omitted);
-    /// with `--op attention`: `burn` or `bastile`.
-    #[arg(long = "impl", value_enum)]
-    pub implementation: Option<train::TrainImpl>,
-    /// With `--model`: timed training steps (after two warm-up steps).
+    /// Train these model presets end to end (random weights, AdamW)
+    /// instead of benchmarking kernels, e.g. `qwen3-0.6b,llama-3.2-1b`.
+    #[arg(long, value_delimiter = ',')]
+    pub model: Vec<String>,
+    /// Sequence lengths (training: 1024, 2048, ... doubling until every
+    /// implementation is out of memory; attention: 2048 to 16384).
+    #[arg(long, value_delimiter = ',')]
+    pub seq: Option<Vec<usize>>,
+    /// Training: the longest sequence the sweep tries.
+    #[arg(long, default_value_t = 65536)]
+    pub max_seq: usize,
+    /// Training: batch sizes to sweep (default 1 and 4).
+    #[arg(long, value_delimiter = ',')]
+    pub batch: Option<Vec<usize>>,
+    /// Training dtype (default bf16; f32 with `--tiny`).
+    #[arg(long, value_enum)]
+    pub dtype: Option<DtypeArg>,
+    /// Training: only these implementations (all three when omitted);
+    /// with `--op attention`: `burn` or `bastile` (both when omitted).
+    #[arg(long = "impl", value_enum, value_delimiter = ',')]
+    pub implementation: Vec<train::TrainImpl>,
+    /// Training: timed steps (after two warm-up steps).
     #[arg(long, default_value_t = 5)]
     pub steps: usize,
+    /// Training: seconds one configuration may take (compilation and
+    /// autotuning included) before it is stopped and recorded as timed out.
+    #[arg(long, default_value_t = 1800)]
+    pub child_timeout: u64,
     /// With `--model` or `--op attention`: which attention kernels
     /// Bastile runs (`auto`: matrix products on cuBLASLt where the matmul
     /// patch runs there, tiled kernels elsewhere).
     #[arg(long, value_enum, default_value = "auto")]
     pub attention: AttentionArg,
+    /// Also run the same configurations through PyTorch on this GPU (the
+    /// scripts in `benches/python`: HF transformers eager and HF +
+    /// Liger-Kernel for training, SDPA for attention, cuBLAS for matmul,
+    /// torch and Liger for the loss); their rows join the table and charts.
+    #[arg(long)]
+    pub compare_pytorch: bool,
+    /// The Python interpreter for `--compare-pytorch`.
+    #[arg(long, default_value = "python3")]
+    pub python: String,
+    /// Draw the tables and charts again from these results files (this
+    /// program's JSON, or the Python scripts' JSON lines) into `--out`,
+    /// without measuring anything.
+    #[arg(long, num_args = 1.., value_delimiter = ',')]
+    pub replot: Vec<std::path::PathBuf>,
     /// Internal: this process measures one training configuration.
     #[arg(long, hide = true)]
     pub child: bool,
 }
 
+impl Args {
+    /// The training dtype.
+    pub fn dtype(&self) -> DType {
+        match self.dtype {
+            Some(DtypeArg::Bf16) => DType::BF16,
+            Some(DtypeArg::F16) => DType::F16,
+            Some(DtypeArg::F32) => DType::F32,
+            None if self.tiny => DType::F32,
+            None => DType::BF16,
+        }
+    }
+
+    pub fn dtype_name(&self) -> &'static str {
+        dtype_name(self.dtype())
+    }
+
+    /// The training batch sizes.
+    pub fn batches(&self) -> &[usize] {
+        self.batch.as_deref().unwrap_or(&[1, 4])
+    }
+
+    /// The default suite: neither an op nor a model named.
+    fn suite(&self) -> bool {
+        self.op.is_none() && self.model.is_empty()
+    }
+}
+
 fn main() {
     let args = Args::parse();
-    let report = match args.runtime {
+    if !args.replot.is_empty() {
+        std::process::exit(match replot::run(&args) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("bastile-bench: {e}");
+                1
+            }
+        });
+    }
+    if !args.child {
+        progress::start();
+    }
+    let runtime = args
+        .runtime
+        .expect("clap requires --runtime without --replot");
+    let mut report = match runtime {
         Runtime::Cuda => {
             #[cfg(feature = "cuda")]
             {
@@ -128,13 +225,23 @@ fn main() {
             }
         }
     };
+    if args.compare_pytorch {
+        pytorch::compare(&args, &mut report);
+    }
+    progress::finish();
     println!("{}", report.markdown());
     if let Some(path) = &args.out {
-        if let Err(e) = report.write(path) {
-            eprintln!("could not write {}: {e}", path.display());
-            std::process::exit(1);
+        match report.write(path) {
+            Ok(written) => {
+                for file in written {
+                    eprintln!("written: {}", file.display());
+                }
+            }
+            Err(e) => {
+                eprintln!("could not write the results: {e}");
+                std::process::exit(1);
+            }
         }
-        eprintln!("results written to {} (and .md)", path.display());
     }
 }
 
@@ -145,50 +252,59 @@ where
 {
     let device = B::Device::default();
     args.attention.apply();
-    if args.model.is_some() {
-        let mut report = report::Report::new(runtime, &B::name(&device), args.tiny, f64::NAN);
-        match args.implementation {
-            Some(imp) if args.child => {
-                train::run_child::<R, B>(&device, args, imp);
-                std::process::exit(0)
-            }
-            _ => train::sweep(args, &mut report),
-        }
-        return report;
+    if args.child {
+        let imp = *args
+            .implementation
+            .first()
+            .expect("a child measures one --impl");
+        train::run_child::<R, B>(&device, args, imp);
+        std::process::exit(0)
     }
-    // The loss benchmark reports flops and memory, not bandwidth, and its
-    // memory readings must not include the copy test's buffers.
-    let copy_gbs = if matches!(
-        args.op,
-        Some(OpName::Flce | OpName::Matmul | OpName::Attention)
-    ) {
+    let kernels = args.op.is_some() || args.model.is_empty();
+    // The loss, matmul and attention benchmarks report flops and memory, not
+    // bandwidth, and their memory readings must not include the copy
+    // test's buffers.
+    let copy_gbs = if !kernels
+        || matches!(
+            args.op,
+            Some(OpName::Flce | OpName::Matmul | OpName::Attention)
+        ) {
         f64::NAN
     } else {
         copy::measure_copy_bandwidth::<R>(&device, args.tiny, args.samples)
     };
     let mut report = report::Report::new(runtime, &B::name(&device), args.tiny, copy_gbs);
-    eprintln!("device copy bandwidth: {copy_gbs:.1} GB/s (read + write)");
-    let wanted = |op| args.op.is_none() || args.op == Some(op);
-    if wanted(OpName::RmsNorm) {
-        rms_norm::bench::<B>(&device, args, &mut report);
+    if kernels {
+        progress::log(format!(
+            "device copy bandwidth: {copy_gbs:.1} GB/s (read + write)"
+        ));
+        let wanted = |op| args.op.is_none() || args.op == Some(op);
+        type Bench<D> = fn(&D, &Args, &mut report::Report);
+        let benches: [(OpName, Bench<B::Device>); 7] = [
+            (OpName::RmsNorm, rms_norm::bench::<B>),
+            (OpName::Swiglu, swiglu::bench::<B>),
+            (OpName::Geglu, geglu::bench::<B>),
+            (OpName::Rope, rope::bench::<B>),
+            (OpName::Flce, flce::bench::<R, B>),
+            (OpName::Matmul, matmul::bench::<B>),
+            (OpName::Attention, attention::bench::<R, B>),
+        ];
+        for (op, bench) in benches.into_iter().filter(|(op, _)| wanted(*op)) {
+            let name = op.to_possible_value().expect("op names");
+            progress::task(format!("kernels: {}", name.get_name()));
+            bench(&device, args, &mut report);
+            progress::done();
+        }
     }
-    if wanted(OpName::Swiglu) {
-        swiglu::bench::<B>(&device, args, &mut report);
-    }
-    if wanted(OpName::Geglu) {
-        geglu::bench::<B>(&device, args, &mut report);
-    }
-    if wanted(OpName::Rope) {
-        rope::bench::<B>(&device, args, &mut report);
-    }
-    if wanted(OpName::Flce) {
-        flce::bench::<R, B>(&device, args, &mut report);
-    }
-    if wanted(OpName::Matmul) {
-        matmul::bench::<B>(&device, args, &mut report);
-    }
-    if wanted(OpName::Attention) {
-        attention::bench::<R, B>(&device, args, &mut report);
+    if !args.model.is_empty() || args.suite() {
+        let models: Vec<String> = if !args.model.is_empty() {
+            args.model.clone()
+        } else if args.tiny {
+            train::TINY_SUITE.map(String::from).to_vec()
+        } else {
+            train::SUITE.map(String::from).to_vec()
+        };
+        train::sweep(args, &models, &mut report);
     }
     report
 }

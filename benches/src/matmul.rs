@@ -61,10 +61,10 @@ where
                 ms: t * 1e3,
                 tflops: flops / t / 1e12,
             };
-            eprintln!(
+            crate::progress::log(format!(
                 "matmul {:<34} {:<8} {:>9.3} ms {:>7.1} TFLOP/s",
                 row.shape, row.implementation, row.ms, row.tflops
-            );
+            ));
             report.matmul.push(row);
         }
     }

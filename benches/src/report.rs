@@ -1,8 +1,10 @@
 //! Benchmark results: a Markdown table for people, JSON for tools.
 
-use serde::Serialize;
+use std::path::{Path, PathBuf};
 
-#[derive(Clone, Debug, Serialize)]
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Row {
     pub op: String,
     pub shape: String,
@@ -13,7 +15,15 @@ pub struct Row {
     /// Minimal bytes: each input read once, each output written once.
     pub bytes: u64,
     pub gb_per_s: f64,
+    /// Not a number (written as `null`) when the copy bandwidth was not
+    /// measured.
+    #[serde(deserialize_with = "nan_if_null")]
     pub pct_of_copy: f64,
+}
+
+/// JSON has no NaN: serde_json writes it as `null`, read back here.
+fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 impl Row {
@@ -33,7 +43,7 @@ impl Row {
 }
 
 /// One fused linear cross-entropy measurement (forward + backward).
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct FlceRow {
     pub shape: String,
     pub dtype: String,
@@ -50,7 +60,7 @@ pub struct FlceRow {
 }
 
 /// One matmul measurement.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct MatmulRow {
     pub shape: String,
     pub dtype: String,
@@ -60,7 +70,7 @@ pub struct MatmulRow {
 }
 
 /// One attention measurement.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct AttentionRow {
     pub shape: String,
     pub seq: usize,
@@ -85,6 +95,8 @@ pub struct Report {
     pub matmul: Vec<MatmulRow>,
     pub attention: Vec<AttentionRow>,
     pub train: Vec<crate::train::TrainRow>,
+    /// What did not run, or ran only in part, and why.
+    pub notes: Vec<String>,
 }
 
 impl Report {
@@ -99,6 +111,7 @@ impl Report {
             matmul: Vec::new(),
             attention: Vec::new(),
             train: Vec::new(),
+            notes: Vec::new(),
         }
     }
 
@@ -126,9 +139,9 @@ impl Report {
             pct_of_copy: 100.0 * gb_per_s / self.copy_gb_per_s,
         };
         let [op, shape, dtype, pass, implementation, ms, gbs, pct] = row.cells();
-        eprintln!(
+        crate::progress::log(format!(
             "{op:<9} {shape:<12} {dtype:<5} {pass:<22} {implementation:<10} {ms:>9} ms {gbs:>8} GB/s {pct:>6}"
-        );
+        ));
         self.rows.push(row);
     }
 
@@ -160,6 +173,12 @@ impl Report {
         if !self.train.is_empty() {
             s += &self.train_markdown();
         }
+        if !self.notes.is_empty() {
+            s += "\nNotes:\n\n";
+            for note in &self.notes {
+                s += &format!("* {note}\n");
+            }
+        }
         s
     }
 
@@ -187,43 +206,55 @@ impl Report {
         s
     }
 
-    /// End-to-end training steps, each against Burn's at the same shape.
+    /// End-to-end training steps, by model, batch and length, each against
+    /// Burn's and HF + Liger-Kernel's at the same shape.
     fn train_markdown(&self) -> String {
         let mut s = String::from(
-            "\nTraining step (random weights, AdamW, one micro-batch; memory: reserved after the timed steps):\n\n",
+            "\nTraining step (random weights, AdamW, one micro-batch; memory: reserved after the timed steps; × burn and × Liger: tokens/s against Burn's and HF + Liger-Kernel's at the same shape):\n\n",
         );
-        s += "| model | batch | seq | dtype | implementation | ms/step | tokens/s | speedup | peak MiB | memory vs burn |\n";
-        s += "|---|---:|---:|---|---|---:|---:|---:|---:|---:|\n";
-        for r in &self.train {
-            let burn = self.train.iter().find(|o| {
-                o.model == r.model
-                    && o.batch == r.batch
-                    && o.seq == r.seq
-                    && o.implementation == "burn"
-            });
+        s += "| model | batch | seq | dtype | implementation | ms/step | tokens/s | × burn | × Liger | peak MiB | memory vs burn |\n";
+        s += "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|\n";
+        let mut rows: Vec<&crate::train::TrainRow> = self.train.iter().collect();
+        rows.sort_by(|a, b| (&a.model, a.batch, a.seq).cmp(&(&b.model, b.batch, b.seq)));
+        for r in rows {
+            let same = |name: &str| {
+                self.train.iter().find(|o| {
+                    o.model == r.model
+                        && o.batch == r.batch
+                        && o.seq == r.seq
+                        && o.dtype == r.dtype
+                        && o.implementation == name
+                })
+            };
             let ratio = |ours: Option<f64>, theirs: Option<f64>| match (ours, theirs) {
                 (Some(a), Some(b)) => format!("{:.2}×", b / a),
                 _ => String::new(),
             };
+            let burn = same("burn");
             let speedup = ratio(r.ms_per_step, burn.and_then(|b| b.ms_per_step));
+            let vs_liger = ratio(
+                r.ms_per_step,
+                same("HF + Liger-Kernel").and_then(|b| b.ms_per_step),
+            );
             let memory = match (r.peak_mib, burn.and_then(|b| b.peak_mib)) {
                 (Some(a), Some(b)) => format!("{:.2}", a / b),
                 _ => String::new(),
             };
+            // A failed run says why in its first number's cell.
+            let failure = r.error.as_deref().map(crate::train::failure_label);
             let num = |v: Option<f64>, digits: usize| {
-                v.map_or_else(
-                    || r.error.clone().unwrap_or_default(),
-                    |v| format!("{v:.digits$}"),
-                )
+                v.map_or_else(String::new, |v| format!("{v:.digits$}"))
             };
+            let ms = r
+                .ms_per_step
+                .map_or_else(|| failure.unwrap_or_default().into(), |v| format!("{v:.1}"));
             s += &format!(
-                "| {} | {} | {} | {} | {} | {} | {} | {speedup} | {} | {memory} |\n",
+                "| {} | {} | {} | {} | {} | {ms} | {} | {speedup} | {vs_liger} | {} | {memory} |\n",
                 r.model,
                 r.batch,
                 r.seq,
                 r.dtype,
                 r.implementation,
-                num(r.ms_per_step, 1),
                 num(r.tokens_per_s, 0),
                 num(r.peak_mib, 0),
             );
@@ -311,14 +342,24 @@ impl Report {
         s
     }
 
-    pub fn write(&self, path: &std::path::Path) -> std::io::Result<()> {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)?;
+    /// Writes the JSON at `path`, the Markdown beside it and the charts
+    /// (see [`crate::chart`]); returns the files written. Charts that
+    /// cannot be drawn (no font on the machine) are skipped with a warning:
+    /// the numbers are in the other two files.
+    pub fn write(&self, path: &Path) -> Result<Vec<PathBuf>, String> {
+        let io = |p: &Path, e: std::io::Error| format!("{}: {e}", p.display());
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
         }
-        std::fs::write(
-            path,
-            serde_json::to_string_pretty(self).expect("serializable report"),
-        )?;
-        std::fs::write(path.with_extension("md"), self.markdown())
+        let json = serde_json::to_string_pretty(self).expect("serializable report");
+        std::fs::write(path, json).map_err(|e| io(path, e))?;
+        let md = path.with_extension("md");
+        std::fs::write(&md, self.markdown()).map_err(|e| io(&md, e))?;
+        let mut written = vec![path.to_path_buf(), md];
+        match crate::chart::draw_all(self, path) {
+            Ok(charts) => written.extend(charts),
+            Err(e) => eprintln!("charts not drawn: {e}"),
+        }
+        Ok(written)
     }
 }

@@ -1,5 +1,5 @@
-//! End-to-end training steps: a model preset with random weights in bf16,
-//! AdamW, one micro-batch of random tokens per step; milliseconds per step,
+//! End-to-end training steps: a model preset with random weights in bf16
+//! (f32 on the software Vulkan device), AdamW, one micro-batch of random tokens per step; milliseconds per step,
 //! tokens per second and reserved device memory.
 //!
 //! Each (implementation, batch, sequence) runs in a process of its own (the
@@ -9,7 +9,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bastile::{Bastile, BastileBackend, Patches};
 use bastile_models::{CausalLm, MicroBatch, TrainConfig, Trainer, presets};
@@ -19,8 +19,8 @@ use burn::tensor::{DType, Distribution, Int, Tensor};
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 
-use crate::Args;
 use crate::report::Report;
+use crate::{Args, progress};
 
 /// What trains.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
@@ -64,41 +64,93 @@ pub struct TrainRow {
 /// The line prefix a child process reports its row with.
 const ROW_TAG: &str = "BASTILE_TRAIN_ROW ";
 
-/// Runs every (implementation, batch, seq) of `args` in child processes.
-pub fn sweep(args: &Args, report: &mut Report) {
-    let Some(model) = &args.model else { return };
-    let impls = match args.implementation {
-        Some(i) => vec![i],
-        None => TrainImpl::value_variants().to_vec(),
+/// The models of the default training suite.
+pub const SUITE: [&str; 4] = ["qwen3-0.6b", "qwen3-1.7b", "llama-3.2-1b", "gpt-oss-20b-4l"];
+/// The default suite's model on the software Vulkan device.
+pub const TINY_SUITE: [&str; 1] = [presets::TINY];
+
+/// The sequence lengths a sweep tries, in order: the given ones, or
+/// 1024, 2048, 4096, 8192 and on by doubling up to `cap` (the model's
+/// context or `--max-seq`). The sweep stops early once every
+/// implementation has failed (out of memory) at a shorter length.
+pub fn sweep_lengths(given: Option<&[usize]>, cap: usize) -> Vec<usize> {
+    match given {
+        Some(seqs) => seqs.to_vec(),
+        None => std::iter::successors(Some(1024), |s| Some(s * 2))
+            .take_while(|&s| s <= cap)
+            .collect(),
+    }
+}
+
+/// Runs every (model, batch, sequence, implementation) of `args` in child
+/// processes; an implementation that fails at one length (out of memory,
+/// time limit) is not tried at longer ones.
+pub fn sweep(args: &Args, models: &[String], report: &mut Report) {
+    let impls = if args.implementation.is_empty() {
+        TrainImpl::value_variants().to_vec()
+    } else {
+        args.implementation.clone()
     };
     let exe = std::env::current_exe().expect("the benchmark's own path");
-    for &batch in &args.batch {
-        for &seq in &args.seq {
-            for &imp in &impls {
-                eprintln!("== train {model} batch {batch} seq {seq}: {}", imp.name());
-                let mut row = child(&exe, args, model, batch, seq, imp);
-                if args.attention != crate::AttentionArg::Auto && imp != TrainImpl::Burn {
-                    row.implementation =
-                        format!("{}, {} attention", row.implementation, attention_name(args));
+    let dtype = args.dtype_name();
+    for model in models {
+        let context = match presets::preset(model) {
+            Ok(c) => c.max_position_embeddings,
+            Err(e) => {
+                report.notes.push(format!("{model}: {e}"));
+                continue;
+            }
+        };
+        let default_seqs = if args.tiny {
+            Some(&[64, 256][..])
+        } else {
+            None
+        };
+        let seqs = sweep_lengths(
+            args.seq.as_deref().or(default_seqs),
+            context.min(args.max_seq),
+        );
+        for &batch in args.batches() {
+            let mut failed: Vec<TrainImpl> = Vec::new();
+            for &seq in &seqs {
+                for &imp in &impls {
+                    if failed.contains(&imp) {
+                        continue;
+                    }
+                    let mut name = imp.name().to_string();
+                    if args.attention != crate::AttentionArg::Auto && imp != TrainImpl::Burn {
+                        name = format!("{name}, {} attention", attention_name(args));
+                    }
+                    let task = format!("train {model} batch {batch} seq {seq} {dtype}: {name}");
+                    progress::task(&task);
+                    let mut row = child(&exe, args, &task, model, batch, seq, imp);
+                    row.implementation = name;
+                    match (&row.ms_per_step, &row.error) {
+                        (Some(ms), _) => progress::log(format!(
+                            "   {ms:.1} ms/step, {:.0} tokens/s, {:.0} MiB reserved",
+                            row.tokens_per_s.unwrap_or(f64::NAN),
+                            row.peak_mib.unwrap_or(f64::NAN)
+                        )),
+                        (None, Some(e)) => {
+                            progress::log(format!("   failed: {e}"));
+                            failed.push(imp);
+                        }
+                        (None, None) => {}
+                    }
+                    progress::done();
+                    report.train.push(row);
                 }
-                match (&row.ms_per_step, &row.error) {
-                    (Some(ms), _) => eprintln!(
-                        "   {ms:.1} ms/step, {:.0} tokens/s, {:.0} MiB reserved",
-                        row.tokens_per_s.unwrap_or(f64::NAN),
-                        row.peak_mib.unwrap_or(f64::NAN)
-                    ),
-                    (None, Some(e)) => eprintln!("   failed: {e}"),
-                    (None, None) => {}
-                }
-                report.train.push(row);
             }
         }
     }
 }
 
+/// Runs one configuration in a child process and reads its row; a child
+/// that dies or runs past `--child-timeout` becomes a failed row saying why.
 fn child(
     exe: &std::path::Path,
     args: &Args,
+    task: &str,
     model: &str,
     batch: usize,
     seq: usize,
@@ -108,7 +160,7 @@ fn child(
         model: model.into(),
         batch,
         seq,
-        dtype: "bf16".into(),
+        dtype: args.dtype_name().into(),
         implementation: imp.name().into(),
         ms_per_step: None,
         tokens_per_s: None,
@@ -117,6 +169,7 @@ fn child(
     };
     let runtime = args
         .runtime
+        .expect("a measuring run has a runtime")
         .to_possible_value()
         .expect("runtime names")
         .get_name()
@@ -128,6 +181,7 @@ fn child(
         .args(["--batch", &batch.to_string(), "--seq", &seq.to_string()])
         .args(["--steps", &args.steps.to_string(), "--child"])
         .args(["--attention", attention_name(args)])
+        .args(["--dtype", args.dtype_name()])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn();
@@ -138,45 +192,86 @@ fn child(
     // The child's progress is shown as it comes; its last lines explain a
     // failure.
     let stderr = proc.stderr.take().expect("piped");
+    let task = task.to_string();
     let echo = std::thread::spawn(move || {
         let mut tail = Vec::new();
+        let mut oom = false;
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            eprintln!("   | {line}");
+            progress::log(format!("   | {line}"));
+            progress::detail(&task, &line);
+            // The first panic names the cause; the panics it sets off on
+            // other threads fill the tail.
+            oom |= is_out_of_memory(&line);
             tail.push(line);
             if tail.len() > 8 {
                 tail.remove(0);
             }
         }
-        tail
+        (tail, oom)
     });
     let stdout = proc.stdout.take().expect("piped");
-    let row = BufReader::new(stdout)
-        .lines()
-        .map_while(Result::ok)
-        .find_map(|l| l.strip_prefix(ROW_TAG).map(str::to_owned));
-    let status = proc.wait();
-    let tail = echo.join().unwrap_or_default();
+    let rows = std::thread::spawn(move || {
+        BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .find_map(|l| l.strip_prefix(ROW_TAG).map(str::to_owned))
+    });
+    let deadline = Instant::now() + Duration::from_secs(args.child_timeout);
+    let status = loop {
+        match proc.try_wait() {
+            Ok(Some(status)) => break Ok(status),
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
+            Ok(None) => {
+                // Killing closes the pipes, which ends both readers.
+                let _ = proc.kill();
+                let _ = proc.wait();
+                break Err(format!(
+                    "timed out after {} s (--child-timeout)",
+                    args.child_timeout
+                ));
+            }
+            Err(e) => break Err(format!("lost the child process: {e}")),
+        }
+    };
+    let row = rows.join().unwrap_or_default();
+    let (tail, oom) = echo.join().unwrap_or_default();
+    let status = match status {
+        Ok(status) => status,
+        Err(why) => return failed(why),
+    };
     match row.map(|r| serde_json::from_str::<TrainRow>(&r)) {
         Some(Ok(row)) => row,
         Some(Err(e)) => failed(format!("unreadable result: {e}")),
-        None => {
-            let text = tail.join(" / ");
-            // CubeCL reports a failed device allocation as a buffer it
-            // "can't allocate".
-            let oom = ["out of memory", "OutOfMemory", "can't allocate buffer"]
+        None => failed(if oom {
+            "out of memory".into()
+        } else {
+            let first = tail
                 .iter()
-                .any(|m| text.contains(m));
-            failed(if oom {
-                "out of memory".into()
-            } else {
-                let first = tail
-                    .iter()
-                    .find(|l| l.contains("panicked") || l.contains("error"));
-                let why = first.or(tail.last()).map_or("", String::as_str);
-                format!("exited with {status:?}: {why}")
-            })
-        }
+                .find(|l| l.contains("panicked") || l.contains("error"));
+            let why = first.or(tail.last()).map_or("", String::as_str);
+            format!("exited with {status}: {why}")
+        }),
     }
+}
+
+/// A failure as a table cell or a legend says it; the whole message is in
+/// the JSON.
+pub fn failure_label(error: &str) -> &'static str {
+    if error.contains("out of memory") {
+        "out of memory"
+    } else if error.contains("timed out") {
+        "timed out"
+    } else {
+        "failed"
+    }
+}
+
+/// Whether a line of a child's stderr reports a failed device allocation
+/// (CubeCL says it "can't allocate buffer").
+fn is_out_of_memory(line: &str) -> bool {
+    ["out of memory", "OutOfMemory", "can't allocate buffer"]
+        .iter()
+        .any(|m| line.contains(m))
 }
 
 fn attention_name(args: &Args) -> &'static str {
@@ -193,16 +288,24 @@ where
     R: cubecl::Runtime<Device = B::Device>,
     B: bastile::ops::KernelBackend + BastileBackend,
 {
-    let model = args.model.as_deref().expect("--model");
-    let (batch, seq) = (args.batch[0], args.seq[0]);
+    let model = args.model.first().expect("--model");
+    let (batch, seq) = (args.batches()[0], args.seq.as_ref().expect("--seq")[0]);
+    let run = Run {
+        model,
+        imp,
+        batch,
+        seq,
+        dtype: args.dtype(),
+        steps: args.steps,
+    };
     let row = match imp {
-        TrainImpl::Burn => measure::<R, Autodiff<B>>(device, model, imp, batch, seq, args.steps),
+        TrainImpl::Burn => measure::<R, Autodiff<B>>(device, &run),
         TrainImpl::BastileKernels | TrainImpl::Bastile => {
             bastile::apply(Patches {
                 matmul: imp == TrainImpl::Bastile,
                 ..Patches::default()
             });
-            measure::<R, Autodiff<Bastile<B>>>(device, model, imp, batch, seq, args.steps)
+            measure::<R, Autodiff<Bastile<B>>>(device, &run)
         }
     };
     let row = row.unwrap_or_else(|e| {
@@ -215,23 +318,34 @@ where
     );
 }
 
-fn measure<R, A>(
-    device: &A::Device,
-    model: &str,
+/// One configuration a child measures.
+struct Run<'a> {
+    model: &'a str,
     imp: TrainImpl,
     batch: usize,
     seq: usize,
+    dtype: DType,
     steps: usize,
-) -> Result<TrainRow, String>
+}
+
+fn measure<R, A>(device: &A::Device, run: &Run) -> Result<TrainRow, String>
 where
     R: cubecl::Runtime<Device = A::Device>,
     A: AutodiffBackend + BastileBackend,
     A::InnerBackend: BastileBackend,
 {
+    let &Run {
+        model,
+        imp,
+        batch,
+        seq,
+        dtype,
+        steps,
+    } = run;
     let config = presets::preset(model).map_err(|e| e.to_string())?;
     let started = Instant::now();
     let mut lm = CausalLm::<A>::init(&config, device)
-        .and_then(|m| m.with_dtype(DType::BF16))
+        .and_then(|m| m.with_dtype(dtype))
         .map_err(|e| e.to_string())?;
     let vocab = lm.config.vocab_size as f64;
     let ids = Tensor::<A, 2, Int>::random([batch, seq], Distribution::Uniform(0.0, vocab), device);
@@ -273,11 +387,37 @@ where
         model: model.into(),
         batch,
         seq,
-        dtype: "bf16".into(),
+        dtype: crate::dtype_name(dtype).into(),
         implementation: imp.name().into(),
         ms_per_step: Some(secs * 1e3),
         tokens_per_s: Some((batch * seq) as f64 / secs),
         peak_mib: Some(usage.bytes_reserved as f64 / (1u64 << 20) as f64),
         error: None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sweep_lengths;
+
+    #[test]
+    fn the_default_sweep_doubles_from_1024_up_to_the_cap() {
+        assert_eq!(
+            sweep_lengths(None, 40960),
+            [1024, 2048, 4096, 8192, 16384, 32768]
+        );
+        assert_eq!(sweep_lengths(None, 2048), [1024, 2048]);
+        assert_eq!(sweep_lengths(None, 1000), Vec::<usize>::new());
+        assert_eq!(sweep_lengths(Some(&[512, 64]), 100), [512, 64]);
+    }
+
+    #[test]
+    fn cubecl_allocation_failures_read_as_out_of_memory() {
+        assert!(super::is_out_of_memory(
+            "called `Result::unwrap()` on an `Err` value: can't allocate buffer of size: 5313593344"
+        ));
+        assert!(!super::is_out_of_memory(
+            "called `Result::unwrap()` on an `Err` value: CallError"
+        ));
+    }
 }

@@ -35,23 +35,17 @@ enum Cmd {
         #[arg(last = true)]
         rest: Vec<String>,
     },
-    /// Run the benchmarks and write the results.
+    /// Run the benchmarks and write the results (`cargo xtask bench --help`
+    /// lists the options). With no arguments: the default suite on CUDA
+    /// when `nvidia-smi` finds a GPU, else the tiny configuration on the
+    /// software Vulkan driver; results go to `benches/results/<runtime>.json`
+    /// (and `.md`, `-*.png`).
+    #[command(disable_help_flag = true)]
     Bench {
-        /// `rms-norm` (all ops when omitted).
-        #[arg(long)]
-        op: Option<String>,
-        /// `cuda` or `wgpu`; CUDA when `nvidia-smi` finds a GPU, else wgpu with tiny shapes.
-        #[arg(long)]
-        runtime: Option<String>,
-        /// Small shapes (forced on wgpu).
-        #[arg(long)]
-        tiny: bool,
-        /// Results file (JSON; Markdown is written beside it).
-        #[arg(long)]
-        out: Option<String>,
-        /// Further `bastile-bench` arguments, e.g. `-- --model qwen3-0.6b --seq 1024,4096`.
-        #[arg(last = true)]
-        rest: Vec<String>,
+        /// `bastile-bench` arguments, e.g. `--model qwen3-0.6b --seq 1024,4096
+        /// --compare-pytorch`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
     },
     /// Build the CUDA test and benchmark binaries for a machine without Rust.
     DeviceBundle {
@@ -72,13 +66,7 @@ fn main() -> ExitCode {
             no_setup,
             rest,
         } => test(cuda, no_setup, &rest),
-        Cmd::Bench {
-            op,
-            runtime,
-            tiny,
-            out,
-            rest,
-        } => bench(op, runtime, tiny, out, &rest),
+        Cmd::Bench { args } => bench(args),
         Cmd::DeviceBundle { out, only } => bundle::build(&out, &only),
     };
     match result {
@@ -119,33 +107,51 @@ fn test(cuda: bool, no_setup: bool, rest: &[String]) -> Result<(), String> {
     run(&mut cmd)
 }
 
-fn bench(
-    op: Option<String>,
-    runtime: Option<String>,
-    tiny: bool,
-    out: Option<String>,
-    rest: &[String],
-) -> Result<(), String> {
-    let runtime = runtime.unwrap_or_else(|| {
-        if setup::has_nvidia_gpu() {
-            "cuda".into()
+/// The value of `--name value` or `--name=value` in `args`.
+fn flag_value(args: &[String], name: &str) -> Option<String> {
+    let eq = format!("{name}=");
+    args.iter().enumerate().find_map(|(i, a)| {
+        if a == name {
+            args.get(i + 1).cloned()
         } else {
-            "wgpu".into()
+            a.strip_prefix(&eq).map(str::to_owned)
         }
-    });
-    let tiny = tiny || runtime == "wgpu";
-    if runtime == "wgpu" {
-        setup::software_vulkan(true)?;
-        eprintln!(
-            "xtask: no CUDA GPU selected: running the tiny configuration on wgpu (functional, not performance numbers)"
-        );
+    })
+}
+
+fn bench(mut args: Vec<String>) -> Result<(), String> {
+    let has = |args: &[String], flag: &str| args.iter().any(|a| a == flag);
+    let help = has(&args, "--help") || has(&args, "-h");
+    // Redrawing earlier results needs no device.
+    let replot = flag_value(&args, "--replot").is_some();
+    if !help && !replot {
+        let runtime = flag_value(&args, "--runtime").unwrap_or_else(|| {
+            let r = if setup::has_nvidia_gpu() {
+                "cuda"
+            } else {
+                "wgpu"
+            };
+            args.extend(["--runtime".into(), r.into()]);
+            r.into()
+        });
+        let tiny = has(&args, "--tiny") || runtime == "wgpu";
+        if runtime == "wgpu" {
+            setup::software_vulkan(true)?;
+            if !has(&args, "--tiny") {
+                args.push("--tiny".into());
+            }
+            eprintln!(
+                "xtask: no CUDA GPU selected: running the tiny configuration on wgpu (functional, not performance numbers)"
+            );
+        }
+        if flag_value(&args, "--out").is_none() {
+            let out = format!(
+                "benches/results/{runtime}{}.json",
+                if tiny { "-tiny" } else { "" }
+            );
+            args.extend(["--out".into(), out]);
+        }
     }
-    let out = out.unwrap_or_else(|| {
-        format!(
-            "benches/results/{runtime}{}.json",
-            if tiny { "-tiny" } else { "" }
-        )
-    });
     let mut cmd = cargo();
     cmd.args([
         "run",
@@ -156,14 +162,22 @@ fn bench(
         "bastile-bench",
         "--",
     ]);
-    cmd.args(["--runtime", &runtime, "--out", &out]);
-    if tiny {
-        cmd.arg("--tiny");
-    }
-    if let Some(op) = op {
-        cmd.args(["--op", &op]);
-    }
-    cmd.args(rest);
+    cmd.args(&args);
     setup::runtime_dir(&mut cmd);
     run(&mut cmd)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flag_values_are_found_in_both_spellings() {
+        let args: Vec<String> = ["--model", "m", "--out=x.json", "--tiny"]
+            .map(String::from)
+            .to_vec();
+        assert_eq!(flag_value(&args, "--model").as_deref(), Some("m"));
+        assert_eq!(flag_value(&args, "--out").as_deref(), Some("x.json"));
+        assert_eq!(flag_value(&args, "--runtime"), None);
+    }
 }
