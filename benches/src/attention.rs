@@ -123,25 +123,33 @@ where
                     measure::<R, B>(seq, shape, dtype, samples, device)
                 }
             }));
-            let Ok((fwd, both, peak)) = measured else {
-                report.notes.push(format!(
-                    "attention seq {seq}: {implementation} failed (out of memory?); longer sequences skipped"
-                ));
-                failed.push(implementation);
-                B::memory_cleanup(device);
-                continue;
-            };
-            let row = AttentionRow {
+            let mut row = AttentionRow {
                 shape: format!("b{b} hq{h} hkv{hk} d{d} causal"),
                 seq,
                 dtype: format!("{dtype:?}").to_lowercase(),
                 implementation: implementation.into(),
-                fwd_ms: fwd * 1e3,
-                fwd_tflops: causal_fwd / fwd / 1e12,
-                fwd_bwd_ms: both * 1e3,
-                fwd_bwd_tflops: 3.5 * causal_fwd / both / 1e12,
-                peak_mib: peak,
+                fwd_ms: f64::NAN,
+                fwd_tflops: f64::NAN,
+                fwd_bwd_ms: f64::NAN,
+                fwd_bwd_tflops: f64::NAN,
+                peak_mib: f64::NAN,
+                error: None,
             };
+            let Ok((fwd, both, peak)) = measured else {
+                progress::log(format!(
+                    "attention seq {seq}: {implementation} failed (out of memory?); longer sequences skipped"
+                ));
+                row.error = Some("failed (panicked; the log says why)".into());
+                report.attention.push(row);
+                failed.push(implementation);
+                B::memory_cleanup(device);
+                continue;
+            };
+            row.fwd_ms = fwd * 1e3;
+            row.fwd_tflops = causal_fwd / fwd / 1e12;
+            row.fwd_bwd_ms = both * 1e3;
+            row.fwd_bwd_tflops = 3.5 * causal_fwd / both / 1e12;
+            row.peak_mib = peak;
             progress::log(format!(
                 "attention seq {:>6} {:<8} fwd {:>9.3} ms {:>6.1} TFLOP/s  fwd+bwd {:>9.3} ms {:>6.1} TFLOP/s  peak {:>8.0} MiB",
                 row.seq,

@@ -64,14 +64,13 @@ pub fn figures(report: &Report) -> Vec<Figure> {
         let panel = |title, y_label, value: &dyn Fn(&crate::train::TrainRow) -> Option<f64>| {
             let mut series: Vec<Series> = Vec::new();
             for r in &rows {
-                let s = series_named(&mut series, &r.implementation);
-                match (value(r), &r.error) {
-                    (Some(v), _) => s.points.push((r.seq, v)),
-                    (None, Some(e)) if s.failed.is_none() => {
-                        s.failed = Some((r.seq, crate::train::failure_label(e).into()))
-                    }
-                    _ => {}
-                }
+                record(
+                    &mut series,
+                    &r.implementation,
+                    r.seq,
+                    value(r),
+                    r.error.as_deref(),
+                );
             }
             finish(title, y_label, series)
         };
@@ -107,18 +106,18 @@ pub fn figures(report: &Report) -> Vec<Figure> {
         let panel = |title, y_label, value: &dyn Fn(&crate::report::AttentionRow) -> f64| {
             let mut series: Vec<Series> = Vec::new();
             for r in &rows {
-                series_named(&mut series, &r.implementation)
-                    .points
-                    .push((r.seq, value(r)));
+                let point = r.error.is_none().then(|| value(r));
+                record(
+                    &mut series,
+                    &r.implementation,
+                    r.seq,
+                    point,
+                    r.error.as_deref(),
+                );
             }
             finish(title, y_label, series)
         };
-        let failures: Vec<&String> = report
-            .notes
-            .iter()
-            .filter(|n| n.starts_with("attention"))
-            .collect();
-        let mut fig = Figure {
+        out.push(Figure {
             title: format!(
                 "attention {shape}, {dtype}, forward + backward · {}",
                 device(report)
@@ -133,26 +132,7 @@ pub fn figures(report: &Report) -> Vec<Figure> {
                 panel("Peak memory", "GiB reserved", &|r| r.peak_mib / 1024.0),
                 panel("Latency", "ms", &|r| r.fwd_bwd_ms),
             ],
-        };
-        // The attention benchmark records a failure as a note
-        // ("attention seq N: <impl> failed ...").
-        for note in failures {
-            let Some((seq, rest)) = note
-                .strip_prefix("attention seq ")
-                .and_then(|n| n.split_once(": "))
-            else {
-                continue;
-            };
-            let (Ok(seq), Some(imp)) = (seq.parse(), rest.split(' ').next()) else {
-                continue;
-            };
-            for p in &mut fig.panels {
-                if let Some(s) = p.series.iter_mut().find(|s| s.name == imp) {
-                    s.failed = Some((seq, "failed".into()));
-                }
-            }
-        }
-        out.push(fig);
+        });
     }
     out
 }
@@ -170,7 +150,15 @@ fn device(report: &Report) -> String {
     }
 }
 
-fn series_named<'a>(series: &'a mut Vec<Series>, name: &str) -> &'a mut Series {
+/// Adds one measurement to the line of `name`: a point, or (the first time
+/// it failed) where the line ends and why.
+fn record(
+    series: &mut Vec<Series>,
+    name: &str,
+    seq: usize,
+    value: Option<f64>,
+    error: Option<&str>,
+) {
     let i = match series.iter().position(|s| s.name == name) {
         Some(i) => i,
         None => {
@@ -182,7 +170,14 @@ fn series_named<'a>(series: &'a mut Vec<Series>, name: &str) -> &'a mut Series {
             series.len() - 1
         }
     };
-    &mut series[i]
+    let s = &mut series[i];
+    match (value, error) {
+        (Some(v), _) => s.points.push((seq, v)),
+        (None, Some(e)) if s.failed.is_none() => {
+            s.failed = Some((seq, crate::train::failure_label(e).into()))
+        }
+        _ => {}
+    }
 }
 
 fn finish(title: &'static str, y_label: &'static str, mut series: Vec<Series>) -> Panel {
@@ -439,6 +434,43 @@ mod tests {
         // Throughput in thousands of tokens per second.
         let tput = &figs[0].panels[0].series[1];
         assert!((tput.points[1].1 - 2048.0 / 100.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_failed_attention_row_ends_its_line_and_survives_json() {
+        let row = |imp: &str, seq, ms: f64, error: Option<&str>| crate::report::AttentionRow {
+            shape: "s".into(),
+            seq,
+            dtype: "bf16".into(),
+            implementation: imp.into(),
+            fwd_ms: ms,
+            fwd_tflops: ms,
+            fwd_bwd_ms: ms,
+            fwd_bwd_tflops: ms,
+            peak_mib: ms,
+            error: error.map(String::from),
+        };
+        let mut report = Report::new("cuda", "gpu", false, f64::NAN);
+        report.attention = vec![
+            row("burn", 2048, 4.0, None),
+            row(
+                "burn",
+                4096,
+                f64::NAN,
+                Some("failed (panicked; the log says why)"),
+            ),
+            row("bastile", 4096, 2.0, None),
+        ];
+        // Written and read back as `--replot` does: NaN goes through null.
+        let json = serde_json::to_value(&report).unwrap();
+        let mut back = Report::new("", "", false, f64::NAN);
+        crate::replot::merge_value(&mut back, json).unwrap();
+        let figs = figures(&back);
+        assert_eq!(figs.len(), 1);
+        let latency = &figs[0].panels[2];
+        assert_eq!(latency.series[0].points, vec![(2048, 4.0)]);
+        assert_eq!(latency.series[0].failed, Some((4096, "failed".into())));
+        assert_eq!(latency.series[1].points, vec![(4096, 2.0)]);
     }
 
     #[test]

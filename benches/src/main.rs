@@ -177,11 +177,6 @@ impl Args {
     pub fn batches(&self) -> &[usize] {
         self.batch.as_deref().unwrap_or(&[1, 4])
     }
-
-    /// The default suite: neither an op nor a model named.
-    fn suite(&self) -> bool {
-        self.op.is_none() && self.model.is_empty()
-    }
 }
 
 fn main() {
@@ -260,7 +255,9 @@ where
         train::run_child::<R, B>(&device, args, imp);
         std::process::exit(0)
     }
+    // Without `--op` or `--model`: the default suite, kernels and training.
     let kernels = args.op.is_some() || args.model.is_empty();
+    let training = !args.model.is_empty() || args.op.is_none();
     // The loss, matmul and attention benchmarks report flops and memory, not
     // bandwidth, and their memory readings must not include the copy
     // test's buffers.
@@ -296,7 +293,7 @@ where
             progress::done();
         }
     }
-    if !args.model.is_empty() || args.suite() {
+    if training {
         let models: Vec<String> = if !args.model.is_empty() {
             args.model.clone()
         } else if args.tiny {

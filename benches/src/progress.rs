@@ -38,9 +38,10 @@ pub fn task(what: impl Into<String>) {
     log(format!("== {what}"));
 }
 
-/// Shows a detail of the running task (a child's last line) on the live
-/// line only.
-pub fn detail(task: &str, line: &str) {
+/// Relays a line of a child process's stderr: logged indented, and shown
+/// on the live line after the running task.
+pub fn child_line(task: &str, line: &str) {
+    log(format!("   | {line}"));
     with_bar(|b| b.set_message(format!("{task} · {line}")));
 }
 

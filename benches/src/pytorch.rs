@@ -185,8 +185,7 @@ fn run_script(
     let echo = std::thread::spawn(move || {
         let mut last = String::new();
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            progress::log(format!("   | {line}"));
-            progress::detail(&task, &line);
+            progress::child_line(&task, &line);
             if !line.trim().is_empty() {
                 last = line;
             }

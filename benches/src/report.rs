@@ -69,18 +69,26 @@ pub struct MatmulRow {
     pub tflops: f64,
 }
 
-/// One attention measurement.
+/// One attention measurement; a failed one (Burn out of memory at long
+/// sequences) has `error` set and not-a-number values.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct AttentionRow {
     pub shape: String,
     pub seq: usize,
     pub dtype: String,
     pub implementation: String,
+    #[serde(deserialize_with = "nan_if_null")]
     pub fwd_ms: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub fwd_tflops: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub fwd_bwd_ms: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub fwd_bwd_tflops: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub peak_mib: f64,
+    #[serde(default)]
+    pub error: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -190,6 +198,13 @@ impl Report {
         s += "| shape | seq | dtype | implementation | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | peak MiB |\n";
         s += "|---|---:|---|---|---:|---:|---:|---:|---:|\n";
         for r in &self.attention {
+            if let Some(e) = &r.error {
+                s += &format!(
+                    "| {} | {} | {} | {} | {e} | | | | |\n",
+                    r.shape, r.seq, r.dtype, r.implementation
+                );
+                continue;
+            }
             s += &format!(
                 "| {} | {} | {} | {} | {:.3} | {:.1} | {:.3} | {:.1} | {:.0} |\n",
                 r.shape,

@@ -197,8 +197,7 @@ fn child(
         let mut tail = Vec::new();
         let mut oom = false;
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            progress::log(format!("   | {line}"));
-            progress::detail(&task, &line);
+            progress::child_line(&task, &line);
             // The first panic names the cause; the panics it sets off on
             // other threads fill the tail.
             oom |= is_out_of_memory(&line);
