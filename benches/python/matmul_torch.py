@@ -48,7 +48,10 @@ def main():
     for name, b, m, k, n in SHAPES:
         lhs = torch.randn(b, m, k, device="cuda", dtype=torch.bfloat16)
         rhs = torch.randn(b, k, n, device="cuda", dtype=torch.bfloat16)
-        ms = median_ms(lambda: torch.matmul(lhs, rhs))
+        # Calls per sample as in the Rust bench: ~2 TFLOP of work, 3 to 64.
+        flops = 2.0 * b * m * k * n
+        iters = min(max(-(-2e12 // flops), 3), 64)
+        ms = median_ms(lambda: torch.matmul(lhs, rhs), iters=int(iters))
         tflops = 2.0 * b * m * k * n / (ms * 1e-3) / 1e12
         shape = f"{name} {b}×{m}×{k}×{n}"
         print(f"{shape:<34} torch (cuBLAS) {ms:9.3f} ms {tflops:7.1f} TFLOP/s", file=sys.stderr)

@@ -1,12 +1,13 @@
 //! Fused linear cross-entropy: forward + backward time, TFLOP/s (the three
 //! matmuls: logits, d_hidden, d_weight) and peak device memory, against
 //! Burn's composite (`linear` + `CrossEntropyLoss` under autodiff) and
-//! against the three bare matmuls alone, in one run.
+//! against the three bare matmuls alone (Burn's own and `Bastile<B>`'s,
+//! cuBLASLt on CUDA: the floor of the fused loss), in one run.
 
 use bastile::{Bastile, BastileBackend, CrossEntropyOptions, fused_linear_cross_entropy};
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Distribution, Int, Tensor};
+use burn::tensor::{DType, Distribution, Int, Tensor, TensorPrimitive};
 
 use crate::Args;
 use crate::passes::tracked;
@@ -75,11 +76,21 @@ fn composite<B: Backend>(d: &Data<B>) -> Box<dyn std::any::Any> {
 }
 
 /// The three matmuls of the loss alone, without autodiff: the floor.
-fn bare<B: Backend>(d: &Data<B>) -> Box<dyn std::any::Any> {
-    let logits = d.hidden.clone().matmul(d.weight.clone().transpose());
-    let dh = logits.clone().matmul(d.weight.clone());
-    let dw = logits.transpose().matmul(d.hidden.clone());
+fn bare<X: Backend>(hidden: Tensor<X, 2>, weight: Tensor<X, 2>) -> Box<dyn std::any::Any> {
+    let logits = hidden.clone().matmul(weight.clone().transpose());
+    let dh = logits.clone().matmul(weight);
+    let dw = logits.transpose().matmul(hidden);
     Box::new((dh, dw))
+}
+
+/// [`bare`] on `Bastile<B>`, whose matmul is the fused loss's own.
+fn bare_bastile<B: bastile::ops::KernelBackend>(d: &Data<B>) -> Box<dyn std::any::Any> {
+    let lift = |t: &Tensor<B, 2>| {
+        Tensor::<Bastile<B>, 2>::from_primitive(TensorPrimitive::Float(
+            t.clone().into_primitive().tensor(),
+        ))
+    };
+    bare(lift(&d.hidden), lift(&d.weight))
 }
 
 pub fn bench<R, B>(device: &B::Device, args: &Args, report: &mut Report)
@@ -120,7 +131,18 @@ where
             ));
         }
         configs.push((shape, "burn".into(), None, Box::new(composite::<B>)));
-        configs.push((shape, "bare matmuls".into(), None, Box::new(bare::<B>)));
+        configs.push((
+            shape,
+            "bare matmuls".into(),
+            None,
+            Box::new(|d| bare(d.hidden.clone(), d.weight.clone())),
+        ));
+        configs.push((
+            shape,
+            "bare matmuls (bastile)".into(),
+            None,
+            Box::new(bare_bastile::<B>),
+        ));
     }
     for (i, (shape, name, chunk, _)) in configs.iter().enumerate() {
         crate::progress::log(format!("flce case {i}: {shape:?} {name} chunk {chunk:?}"));

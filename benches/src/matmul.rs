@@ -24,13 +24,25 @@ const SHAPES: [Shape; 6] = [
 
 const TINY: [Shape; 2] = [("square", 1, 96, 96, 96), ("batched", 4, 33, 17, 40)];
 
+/// Calls per timed sample: enough that a sample holds ~2 TFLOP of work, so
+/// the closing synchronization does not weigh on small shapes (the rate of
+/// a stream of calls, as in training); at least 3. `matmul_torch.py` uses
+/// the same rule.
+fn iters(flops: f64) -> usize {
+    ((2e12 / flops).ceil() as usize).clamp(3, 64)
+}
+
+fn flops((_, b, m, k, n): Shape) -> f64 {
+    2.0 * (b * m * k * n) as f64
+}
+
 fn time<X: Backend>(shape: Shape, dtype: DType, samples: usize, device: &X::Device) -> f64 {
     let (_, b, m, k, n) = shape;
     let lhs = Tensor::<X, 3>::random([b, m, k], Distribution::Normal(0.0, 1.0), device).cast(dtype);
     let rhs = Tensor::<X, 3>::random([b, k, n], Distribution::Normal(0.0, 1.0), device).cast(dtype);
     median_seconds(
         samples,
-        3,
+        iters(flops(shape)),
         |_| lhs.clone().matmul(rhs.clone()),
         || X::sync(device).expect("device sync"),
     )
@@ -47,7 +59,7 @@ where
     };
     for &shape in shapes {
         let (name, b, m, k, n) = shape;
-        let flops = 2.0 * (b * m * k * n) as f64;
+        let flops = flops(shape);
         for implementation in ["bastile", "burn"] {
             let t = if implementation == "bastile" {
                 time::<Bastile<B>>(shape, dtype, args.samples, device)

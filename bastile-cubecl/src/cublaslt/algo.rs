@@ -1,17 +1,20 @@
-//! cuBLASLt descriptors for one planned call, and the algorithm the
-//! heuristic picks for it (cached: the query costs tens of microseconds).
+//! cuBLASLt descriptors for one planned problem and the heuristic's
+//! candidate algorithms for it, kept per device and key: building them
+//! costs about a dozen library calls and the heuristic query tens of
+//! microseconds, more than a small projection's whole product.
 
 use core::ffi::c_void;
 
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys::{
-    cublasComputeType_t, cublasLtEpilogue_t, cublasLtMatmulAlgo_t, cublasLtMatmulDesc_t,
-    cublasLtMatmulDescAttributes_t as DescAttr, cublasLtMatmulPreference_t,
+    self as lt_sys, cublasComputeType_t, cublasLtEpilogue_t, cublasLtHandle_t,
+    cublasLtMatmulAlgo_t, cublasLtMatmulDesc_t, cublasLtMatmulDescAttributes_t as DescAttr,
+    cublasLtMatmulHeuristicResult_t, cublasLtMatmulPreference_t,
     cublasLtMatmulPreferenceAttributes_t as PrefAttr, cublasLtMatrixLayout_t,
-    cublasLtMatrixLayoutAttribute_t as LayoutAttr, cudaDataType,
+    cublasLtMatrixLayoutAttribute_t as LayoutAttr, cublasStatus_t, cudaDataType,
 };
 
-use super::device::{DeviceState, WORKSPACE_BYTES};
+use super::device::WORKSPACE_BYTES;
 use crate::FloatDtype;
 use crate::KernelError;
 use crate::gemm_layout::{BlasOperand, GemmPlan};
@@ -58,7 +61,11 @@ fn lt_err(what: &'static str) -> impl Fn(lt::CublasError) -> KernelError {
     move |e| KernelError::Launch(format!("cuBLASLt {what}: {e:?}"))
 }
 
-/// The descriptors of one call, destroyed on drop.
+/// How many algorithms the heuristic is asked for; [`super::tune`] times
+/// them on the first call.
+const CANDIDATES: usize = 8;
+
+/// The descriptors of one problem, destroyed on drop.
 pub struct Descriptors {
     pub desc: cublasLtMatmulDesc_t,
     pub a: cublasLtMatrixLayout_t,
@@ -177,9 +184,9 @@ fn layout(
 }
 
 impl Descriptors {
-    /// Descriptors for `key`; `bias` is the bias vector's address (the
-    /// pointer is part of the matmul descriptor).
-    pub fn new(key: &AlgoKey, bias: Option<u64>) -> Result<Self, KernelError> {
+    /// Descriptors for `key`; with `key.bias` the bias epilogue is on and
+    /// [`Self::set_bias`] gives each call its vector.
+    pub fn new(key: &AlgoKey) -> Result<Self, KernelError> {
         let compute = match (key.dtype, key.tf32) {
             (FloatDtype::F32, true) => cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
             _ => cublasComputeType_t::CUBLAS_COMPUTE_32F,
@@ -220,13 +227,12 @@ impl Descriptors {
                 DescAttr::CUBLASLT_MATMUL_DESC_TRANSB,
                 &op(key.b.transposed),
             )?;
-            if let Some(ptr) = bias {
+            if key.bias {
                 set_desc(
                     desc,
                     DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE,
                     &cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
                 )?;
-                set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr)?;
             }
             set_pref(
                 this.pref,
@@ -258,25 +264,66 @@ impl Descriptors {
         Ok(this)
     }
 
-    /// The heuristic's algorithm for `key` (cached per device); `None` when
-    /// cuBLASLt has none for it.
-    pub fn algo(&self, device: &mut DeviceState, key: &AlgoKey) -> Option<cublasLtMatmulAlgo_t> {
-        *device.algos.entry(*key).or_insert_with(|| {
-            // SAFETY: all descriptors are live.
-            unsafe {
-                lt::get_matmul_algo_heuristic(
-                    device.handle,
-                    self.desc,
-                    self.a,
-                    self.b,
-                    self.d,
-                    self.d,
-                    self.pref,
-                )
-            }
-            .ok()
-            .map(|h| h.algo)
-        })
+    /// Points the bias epilogue at `ptr` for the next call (cuBLASLt reads
+    /// the descriptor when the call is enqueued, so a kept descriptor can
+    /// serve calls with different bias vectors).
+    pub fn set_bias(&self, ptr: u64) -> Result<(), KernelError> {
+        // SAFETY: `desc` is live; the attribute is a device pointer.
+        unsafe { set_desc(self.desc, DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr) }
+    }
+
+    /// The heuristic's algorithms for these descriptors, best first; empty
+    /// when cuBLASLt has none.
+    pub fn candidates(&self, handle: cublasLtHandle_t) -> Vec<cublasLtMatmulAlgo_t> {
+        // SAFETY: a plain C struct for which all-zero bytes are valid.
+        let blank: cublasLtMatmulHeuristicResult_t = unsafe { core::mem::zeroed() };
+        let mut results = [blank; CANDIDATES];
+        let mut count = 0;
+        // SAFETY: all descriptors are live; `results` has room for the
+        // requested count.
+        let status = unsafe {
+            lt_sys::cublasLtMatmulAlgoGetHeuristic(
+                handle,
+                self.desc,
+                self.a,
+                self.b,
+                self.d,
+                self.d,
+                self.pref,
+                CANDIDATES as i32,
+                results.as_mut_ptr(),
+                &mut count,
+            )
+        };
+        if status != cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Vec::new();
+        }
+        results[..count.clamp(0, CANDIDATES as i32) as usize]
+            .iter()
+            .filter(|r| r.state == cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+            .map(|r| r.algo)
+            .collect()
+    }
+}
+
+/// What a device keeps per problem: the descriptors, the heuristic's
+/// candidates and, after the first call timed them, the fastest.
+pub struct Prepared {
+    pub desc: Descriptors,
+    pub candidates: Vec<cublasLtMatmulAlgo_t>,
+    pub chosen: Option<cublasLtMatmulAlgo_t>,
+}
+
+impl Prepared {
+    /// `None` when cuBLASLt has no algorithm for `key`.
+    pub fn new(key: &AlgoKey, handle: cublasLtHandle_t) -> Result<Option<Self>, KernelError> {
+        let desc = Descriptors::new(key)?;
+        let candidates = desc.candidates(handle);
+        Ok((!candidates.is_empty()).then_some(Self {
+            desc,
+            candidates,
+            chosen: None,
+        }))
     }
 }
 

@@ -1,17 +1,17 @@
 //! What cuBLASLt needs per CUDA device, created on first use and kept for
 //! the process: the library handle, a stream of our own, one workspace per
 //! stream the calls are enqueued on (calls on different streams may run at
-//! once) and the algorithms chosen so far.
+//! once) and each problem's descriptors and algorithm.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 
 use cudarc::cublaslt::result as lt;
-use cudarc::cublaslt::sys::{cublasLtHandle_t, cublasLtMatmulAlgo_t};
+use cudarc::cublaslt::sys::cublasLtHandle_t;
 use cudarc::driver::result as drv;
 use cudarc::driver::sys::{CUcontext, CUdeviceptr, CUstream};
 
-use super::algo::AlgoKey;
+use super::algo::{AlgoKey, Prepared};
 use crate::KernelError;
 
 /// 32 MiB: what NVIDIA recommends for Hopper's cuBLASLt kernels.
@@ -24,7 +24,7 @@ pub struct DeviceState {
     /// Keyed by the stream (as an address) whose calls use it.
     workspaces: HashMap<usize, CUdeviceptr>,
     /// `None`: the heuristic found no algorithm for this problem.
-    pub algos: HashMap<AlgoKey, Option<cublasLtMatmulAlgo_t>>,
+    pub prepared: HashMap<AlgoKey, Option<Prepared>>,
 }
 
 // SAFETY: the raw CUDA handles are only used while the `DEVICES` lock is
@@ -58,7 +58,7 @@ impl DeviceState {
             handle,
             stream,
             workspaces: HashMap::new(),
-            algos: HashMap::new(),
+            prepared: HashMap::new(),
         })
     }
 

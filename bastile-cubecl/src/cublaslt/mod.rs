@@ -2,15 +2,17 @@
 //!
 //! The operands are CubeCL handles; their device addresses come from
 //! `ComputeClient::get_resource`, which also keeps the memory alive while
-//! the call runs. The library, a workspace and the chosen algorithms are
-//! kept per device ([`device`]). [`order`] enqueues the calls on CubeCL's
-//! own stream when it can observe it, else orders them by host
-//! synchronization.
+//! the call runs. The library, a workspace and each problem's descriptors
+//! and algorithm are kept per device ([`device`]); for short products the
+//! algorithm is the fastest of the heuristic's candidates on the problem's
+//! first call ([`tune`]). [`order`] enqueues the calls on CubeCL's own stream when it
+//! can observe it, else orders them by host synchronization.
 
 mod algo;
 mod device;
 mod order;
 mod stream_probe;
+mod tune;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -18,6 +20,8 @@ use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::ComputeClient;
 use cubecl::server::Handle;
 use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys::cublasLtMatmulAlgo_t;
+use cudarc::driver::sys::CUstream;
 
 use crate::gemm_layout::GemmPlan;
 use crate::{FloatDtype, KernelError};
@@ -81,6 +85,37 @@ pub fn gemm(
     if plan.k == 0 {
         return Err(KernelError::Unsupported("matmul with K = 0".into()));
     }
+    let same = order::same_stream(client, index);
+    // The stream crosses to the device thread as an address (raw pointers
+    // are not `Send`).
+    let stream_addr = same.map(|s| s as usize);
+    let run = || {
+        let same = stream_addr.map(|s| s as CUstream);
+        launch(client, index, same, dtypes, plan, &buffers)
+    };
+    match same {
+        // On CubeCL's device thread the operands' resource look-ups run in
+        // place; from any other thread each one is a round trip to it
+        // (~10 µs, several per call: more than a small product takes).
+        // Host-synchronized ordering waits on CubeCL's stream, which must
+        // not happen from inside that thread.
+        Some(_) => client
+            .exclusive(run)
+            .map_err(|e| KernelError::Launch(format!("CubeCL's device thread: {e:?}")))?,
+        None => run(),
+    }
+}
+
+/// [`gemm`]'s work once the ordering mode is known (`same`: CubeCL's
+/// stream, or `None` for host synchronization).
+fn launch(
+    client: &ComputeClient<CudaRuntime>,
+    index: usize,
+    same: Option<CUstream>,
+    dtypes: GemmDtypes,
+    plan: &GemmPlan,
+    buffers: &GemmBuffers<'_>,
+) -> Result<(), KernelError> {
     let resource = |h: &Handle| {
         client
             .get_resource(h.clone())
@@ -119,14 +154,23 @@ pub fn gemm(
 
     device::with_device(index, |dev| {
         dev.make_current()?;
-        let desc = algo::Descriptors::new(&key, bias_ptr)?;
-        let algo = desc.algo(dev, &key).ok_or_else(|| {
-            KernelError::Unsupported(format!("cuBLASLt has no algorithm for {key:?}"))
-        })?;
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let handle = dev.handle;
-        order::ordered(client, index, dev, |stream, workspace| {
-            for call in &plan.calls {
+        order::ordered(client, same, dev, |dev, stream, workspace| {
+            let handle = dev.handle;
+            let prepared = match dev.prepared.entry(key) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(algo::Prepared::new(&key, handle)?)
+                }
+            };
+            let prepared = prepared.as_mut().ok_or_else(|| {
+                KernelError::Unsupported(format!("cuBLASLt has no algorithm for {key:?}"))
+            })?;
+            if let Some(ptr) = bias_ptr {
+                prepared.desc.set_bias(ptr)?;
+            }
+            let desc = &prepared.desc;
+            let (alpha, beta) = (1.0f32, 0.0f32);
+            let call = |algo: &cublasLtMatmulAlgo_t, call: &[usize; 3]| {
                 let a = rhs_ptr + call[1] as u64 * elem;
                 let b = lhs_ptr + call[0] as u64 * elem;
                 let d = out_ptr + call[2] as u64 * out_elem;
@@ -147,14 +191,28 @@ pub fn gemm(
                         desc.d,
                         d as *mut _,
                         desc.d,
-                        &algo,
+                        algo,
                         workspace as *mut _,
                         device::WORKSPACE_BYTES,
                         stream as _,
                     )
                 }
-                .map_err(|e| KernelError::Launch(format!("cublasLtMatmul: {e:?}")))?;
+                .map_err(|e| KernelError::Launch(format!("cublasLtMatmul: {e:?}")))
+            };
+            let algo = match prepared.chosen {
+                Some(algo) => algo,
+                None => {
+                    let first = &plan.calls[0];
+                    let flops = 2.0 * (plan.m * plan.n * plan.k * plan.batch) as f64;
+                    tune::fastest(stream, flops, &prepared.candidates, |algo| {
+                        call(algo, first)
+                    })?
+                }
+            };
+            for c in &plan.calls {
+                call(&algo, c)?;
             }
+            prepared.chosen = Some(algo);
             Ok(())
         })
     })?;

@@ -49,7 +49,7 @@ fn host_sync_forced() -> bool {
 
 /// CubeCL's stream for the next call from this CubeCL stream on device
 /// `index`, or `None` when the call is ordered by host synchronization.
-fn same_stream(client: &ComputeClient<CudaRuntime>, index: usize) -> Option<CUstream> {
+pub(super) fn same_stream(client: &ComputeClient<CudaRuntime>, index: usize) -> Option<CUstream> {
     if host_sync_forced() {
         return None;
     }
@@ -76,21 +76,22 @@ pub fn order_mode(client: &ComputeClient<CudaRuntime>, index: usize) -> OrderMod
 
 /// Runs `launch` (which enqueues on the stream and workspace it is given)
 /// ordered after every CubeCL operation submitted so far and before every
-/// later one. The caller has already fetched the operands' resources.
-pub fn ordered(
+/// later one. `same` is [`same_stream`]'s answer for the caller; the caller
+/// has already fetched the operands' resources.
+pub(super) fn ordered(
     client: &ComputeClient<CudaRuntime>,
-    index: usize,
+    same: Option<CUstream>,
     dev: &mut DeviceState,
-    launch: impl FnOnce(CUstream, u64) -> Result<(), KernelError>,
+    launch: impl FnOnce(&mut DeviceState, CUstream, u64) -> Result<(), KernelError>,
 ) -> Result<(), KernelError> {
-    if let Some(stream) = same_stream(client, index) {
+    if let Some(stream) = same {
         let workspace = dev.workspace_for(stream)?;
-        return launch(stream, workspace);
+        return launch(dev, stream, workspace);
     }
     cubecl::future::block_on(client.sync())
         .map_err(|e| KernelError::Launch(format!("waiting for CubeCL's stream: {e:?}")))?;
     let (stream, workspace) = (dev.stream, dev.workspace_for(dev.stream)?);
-    let launched = launch(stream, workspace);
+    let launched = launch(dev, stream, workspace);
     // SAFETY: `stream` is a live stream of the current context.
     let synced = unsafe { drv::stream::synchronize(stream) }
         .map_err(|e| KernelError::Launch(format!("cuStreamSynchronize: {e:?}")));
