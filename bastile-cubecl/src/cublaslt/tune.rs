@@ -9,9 +9,9 @@
 //! of calls. So the first call of each short problem runs every candidate
 //! on the call's own buffers, on the call's stream, timed with CUDA events,
 //! and the fastest is kept for the process; long problems keep the
-//! heuristic's choice. The products write their whole output without
-//! reading it (beta = 0), so the extra runs change nothing the caller sees;
-//! the real call follows them.
+//! heuristic's choice. Timed products write their whole output without
+//! reading it (beta = 0; accumulating calls are never timed), so the extra
+//! runs change nothing the caller sees; the real call follows them.
 //!
 //! `BASTILE_MATMUL_TUNE=off` keeps the heuristic's first choice (no host
 //! wait on a new shape, for comparisons).

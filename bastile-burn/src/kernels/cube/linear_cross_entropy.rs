@@ -20,6 +20,7 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use bastile_cubecl::cross_entropy::CrossEntropyMode;
 
 use super::cross_entropy::{Launch, labels_i32, problem};
+use super::matmul::{matmul_blas, matmul_blas_accumulate};
 use super::{as_rows, empty_like, stride_multiple};
 use crate::kernels::kernel_dtype;
 use crate::ops::cross_entropy::LossSpec;
@@ -42,8 +43,9 @@ pub(super) enum Pass<R: CubeRuntime> {
 }
 
 /// Tokens per chunk. Each chunk pays a fixed cost for the f32 `dW`
-/// accumulation (about 12·V·H bytes of traffic) against `6·C·H·V` flops of
-/// matmuls, so chunks of a few thousand tokens keep it to a few percent;
+/// accumulation (reading and writing it: 8·V·H bytes of traffic in the
+/// product's epilogue on cuBLASLt, 12·V·H elsewhere) against `6·C·H·V`
+/// flops of matmuls, so chunks of a few thousand tokens keep it small;
 /// the chunk's logits stay within half of the largest allocation the
 /// runtime makes (a quarter of device memory on CUDA).
 pub(crate) fn chunk_rows(
@@ -107,7 +109,7 @@ fn mm<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     out_dtype: DType,
 ) -> Tensor<Cube<R, F, I, BT>, 2> {
     let (a, b) = (prim(a), prim(b));
-    let out = super::matmul::matmul_blas(&a, &b, out_dtype).unwrap_or_else(|| {
+    let out = matmul_blas(&a, &b, out_dtype).unwrap_or_else(|| {
         matmul(a, b, None, MatmulStrategy::default(), out_dtype)
             .unwrap_or_else(|e| panic!("a loss matmul could not be set up: {e:?}"))
     });
@@ -164,6 +166,10 @@ pub(super) fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElemen
     let single_chunk = chunk >= n;
     let slice = weight_slice_rows(chunk, vocab, hidden_size, dtype.size());
     let mut dw: Vec<Option<Tensor<Cube<R, F, I, BT>, 2>>> = Vec::new();
+    // On cuBLASLt, `dW` across chunks is instead one f32 accumulator that
+    // each chunk's product adds into in its epilogue: no product to store
+    // and add afterwards, no slices to join.
+    let mut dw_sum: Option<CubeTensor<R>> = None;
     let mut db: Option<Tensor<Cube<R, F, I, BT>, 1>> = None;
     for start in (0..n).step_by(chunk) {
         let end = (start + chunk).min(n);
@@ -214,7 +220,20 @@ pub(super) fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElemen
             let d = dlogits.clone().narrow(1, v0, rows).transpose();
             mm(d, hc.clone(), out_dtype)
         };
-        for (i, v0) in (0..vocab).step_by(slice).enumerate() {
+        if !single_chunk && dw.is_empty() {
+            let (d, hc) = (prim(dlogits.clone().transpose()), prim(hc.clone()));
+            dw_sum = match dw_sum.take() {
+                None if start == 0 => matmul_blas(&d, &hc, DType::F32),
+                Some(acc) if matmul_blas_accumulate(&d, &hc, &acc) => Some(acc),
+                // cuBLASLt took the first chunk but not this one's shape.
+                Some(acc) => Some(prim(
+                    float::<R, F, I, BT, 2>(acc) + mm(float(d), float(hc), DType::F32),
+                )),
+                None => None,
+            };
+        }
+        let slices = if dw_sum.is_some() { 0 } else { vocab };
+        for (i, v0) in (0..slices).step_by(slice).enumerate() {
             let part = weight_product(v0, slice.min(vocab - v0), DType::F32);
             // Taken out of its slot so the addition runs in place.
             match dw.get_mut(i) {
@@ -236,7 +255,10 @@ pub(super) fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElemen
         .then(|| (prim(Tensor::cat(losses, 0)), prim(Tensor::cat(lses, 0))));
     let grads = (mode != CrossEntropyMode::Stats).then(|| LinearGrads {
         hidden: prim(Tensor::cat(dh, 0)),
-        weight: prim(join_slices(dw.into_iter().flatten(), dtype)),
+        weight: match dw_sum {
+            Some(acc) => prim(float::<R, F, I, BT, 2>(acc).cast(dtype)),
+            None => prim(join_slices(dw.into_iter().flatten(), dtype)),
+        },
         bias: db.map(|db| prim(db.cast(dtype))),
     });
     (stats, grads)

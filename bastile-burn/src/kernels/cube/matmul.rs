@@ -29,6 +29,18 @@ pub(crate) fn matmul_blas<R: CubeRuntime>(
     cuda::matmul(lhs, rhs, None, out_dtype)
 }
 
+/// `acc += lhs · rhs` on cuBLASLt (the sum in the product's epilogue) when
+/// the `matmul` patch is on and cuBLASLt takes it; `false` otherwise, with
+/// nothing written. `acc` is an f32 contiguous tensor of the product's
+/// shape that the caller holds alone (it is written in place).
+pub(crate) fn matmul_blas_accumulate<R: CubeRuntime>(
+    lhs: &CubeTensor<R>,
+    rhs: &CubeTensor<R>,
+    acc: &CubeTensor<R>,
+) -> bool {
+    crate::patches::is_enabled(crate::patches::Op::Matmul) && cuda::accumulate(lhs, rhs, acc)
+}
+
 /// `lhs · rhs (+ bias over the last dimension)`.
 pub(super) fn matmul<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     lhs: CubeTensor<R>,
@@ -65,9 +77,10 @@ mod cuda {
     use cubecl::cuda::{CudaDevice, CudaRuntime};
     use cubecl::prelude::ComputeClient;
 
-    use bastile_cubecl::KernelError;
     use bastile_cubecl::cublaslt::{self, GemmBuffers, GemmDtypes};
     use bastile_cubecl::gemm_layout::{GemmPlan, PlanError, plan_matmul};
+    use bastile_cubecl::{FloatDtype, KernelError};
+    use burn::tensor::DType;
 
     use crate::kernels::kernel_dtype;
 
@@ -93,6 +106,55 @@ mod cuda {
         )
     }
 
+    /// The operands as cuBLASLt can read them, their plan and the CUDA
+    /// client; `None` when this is not the CUDA runtime, the dtypes differ
+    /// or the shapes do not match (the inner backend then reports them its
+    /// usual way).
+    #[allow(clippy::type_complexity)]
+    fn operands<'a, R: CubeRuntime>(
+        lhs: &'a CubeTensor<R>,
+        rhs: &CubeTensor<R>,
+    ) -> Option<(
+        usize,
+        &'a ComputeClient<CudaRuntime>,
+        CubeTensor<R>,
+        CubeTensor<R>,
+        GemmPlan,
+    )> {
+        let index = device_index::<R>(&lhs.device)?;
+        let client = (&lhs.client as &dyn Any).downcast_ref::<ComputeClient<CudaRuntime>>()?;
+        if rhs.dtype != lhs.dtype {
+            return None;
+        }
+        // Strides BLAS cannot read in place (broadcast rows, scattered
+        // batches) are copied once into a contiguous layout.
+        match plan(lhs, rhs) {
+            Ok(p) => Some((index, client, lhs.clone(), rhs.clone(), p)),
+            Err(PlanError::Layout(_)) => {
+                let (l, r) = (into_contiguous(lhs.clone()), into_contiguous(rhs.clone()));
+                let p = plan(&l, &r).ok()?;
+                Some((index, client, l, r, p))
+            }
+            Err(PlanError::Shape(_)) => None,
+        }
+    }
+
+    /// Runs the product; `false` when cuBLASLt declines it (nothing was
+    /// written).
+    fn run(
+        client: &ComputeClient<CudaRuntime>,
+        index: usize,
+        dtypes: GemmDtypes,
+        plan: &GemmPlan,
+        buffers: GemmBuffers<'_>,
+    ) -> bool {
+        match cublaslt::gemm(client, index, dtypes, plan, buffers) {
+            Ok(()) => true,
+            Err(KernelError::Unsupported(_)) => false,
+            Err(e) => panic!("cuBLASLt matmul failed: {e}"),
+        }
+    }
+
     /// `None` when this is not the CUDA runtime or cuBLASLt declines the
     /// problem; the caller then takes the inner backend's matmul.
     pub fn matmul<R: CubeRuntime>(
@@ -101,27 +163,14 @@ mod cuda {
         bias: Option<&CubeTensor<R>>,
         out_dtype: burn::tensor::DType,
     ) -> Option<CubeTensor<R>> {
-        let index = device_index::<R>(&lhs.device)?;
-        let client = (&lhs.client as &dyn Any).downcast_ref::<ComputeClient<CudaRuntime>>()?;
+        if bias.is_some_and(|b| b.dtype != lhs.dtype) {
+            return None;
+        }
         let dtypes = GemmDtypes {
             operands: kernel_dtype(lhs.dtype)?,
             out: kernel_dtype(out_dtype)?,
         };
-        if rhs.dtype != lhs.dtype || bias.is_some_and(|b| b.dtype != lhs.dtype) {
-            return None;
-        }
-        // Strides BLAS cannot read in place (broadcast rows, scattered
-        // batches) are copied once into a contiguous layout.
-        let (lhs, rhs, plan) = match plan(lhs, rhs) {
-            Ok(p) => (lhs.clone(), rhs.clone(), p),
-            Err(PlanError::Layout(_)) => {
-                let (l, r) = (into_contiguous(lhs.clone()), into_contiguous(rhs.clone()));
-                let p = plan(&l, &r).ok()?;
-                (l, r, p)
-            }
-            // The inner backend reports mismatched shapes its usual way.
-            Err(PlanError::Shape(_)) => return None,
-        };
+        let (index, client, lhs, rhs, plan) = operands(lhs, rhs)?;
         let bias = bias.map(|b| into_contiguous(b.clone()));
         let out = empty_device_contiguous_dtype(
             lhs.client.clone(),
@@ -134,12 +183,42 @@ mod cuda {
             rhs: &rhs.handle,
             bias: bias.as_ref().map(|b| &b.handle),
             out: &out.handle,
+            accumulate: false,
         };
-        match cublaslt::gemm(client, index, dtypes, &plan, buffers) {
-            Ok(()) => Some(out),
-            Err(KernelError::Unsupported(_)) => None,
-            Err(e) => panic!("cuBLASLt matmul failed: {e}"),
+        run(client, index, dtypes, &plan, buffers).then_some(out)
+    }
+
+    /// `acc += lhs · rhs`; `false` when `acc` is not an f32 contiguous
+    /// tensor of the product's shape or cuBLASLt declines the problem.
+    pub fn accumulate<R: CubeRuntime>(
+        lhs: &CubeTensor<R>,
+        rhs: &CubeTensor<R>,
+        acc: &CubeTensor<R>,
+    ) -> bool {
+        let Some(operand_dtype) = kernel_dtype(lhs.dtype) else {
+            return false;
+        };
+        let Some((index, client, lhs, rhs, plan)) = operands(lhs, rhs) else {
+            return false;
+        };
+        if acc.dtype != DType::F32
+            || acc.shape().as_slice() != plan.out_shape.as_slice()
+            || !acc.is_contiguous()
+        {
+            return false;
         }
+        let dtypes = GemmDtypes {
+            operands: operand_dtype,
+            out: FloatDtype::F32,
+        };
+        let buffers = GemmBuffers {
+            lhs: &lhs.handle,
+            rhs: &rhs.handle,
+            bias: None,
+            out: &acc.handle,
+            accumulate: true,
+        };
+        run(client, index, dtypes, &plan, buffers)
     }
 }
 
@@ -163,5 +242,13 @@ mod cuda {
         _out_dtype: burn::tensor::DType,
     ) -> Option<CubeTensor<R>> {
         None
+    }
+
+    pub fn accumulate<R: CubeRuntime>(
+        _lhs: &CubeTensor<R>,
+        _rhs: &CubeTensor<R>,
+        _acc: &CubeTensor<R>,
+    ) -> bool {
+        false
     }
 }
