@@ -5,8 +5,8 @@
 //! the call runs. The library, a workspace and each problem's descriptors
 //! and algorithm are kept per device ([`device`]); for short products the
 //! algorithm is the fastest of the heuristic's candidates on the problem's
-//! first call ([`tune`]). [`order`] enqueues the calls on CubeCL's own stream when it
-//! can observe it, else orders them by host synchronization.
+//! first call ([`tune`]). [`order`] enqueues the calls on CubeCL's own
+//! stream when it can observe it, else orders them by host synchronization.
 
 mod algo;
 mod device;

@@ -106,52 +106,74 @@ mod cuda {
         )
     }
 
-    /// The operands as cuBLASLt can read them, their plan and the CUDA
-    /// client; `None` when this is not the CUDA runtime, the dtypes differ
-    /// or the shapes do not match (the inner backend then reports them its
-    /// usual way).
-    #[allow(clippy::type_complexity)]
-    fn operands<'a, R: CubeRuntime>(
-        lhs: &'a CubeTensor<R>,
-        rhs: &CubeTensor<R>,
-    ) -> Option<(
-        usize,
-        &'a ComputeClient<CudaRuntime>,
-        CubeTensor<R>,
-        CubeTensor<R>,
-        GemmPlan,
-    )> {
-        let index = device_index::<R>(&lhs.device)?;
-        let client = (&lhs.client as &dyn Any).downcast_ref::<ComputeClient<CudaRuntime>>()?;
-        if rhs.dtype != lhs.dtype {
-            return None;
-        }
-        // Strides BLAS cannot read in place (broadcast rows, scattered
-        // batches) are copied once into a contiguous layout.
-        match plan(lhs, rhs) {
-            Ok(p) => Some((index, client, lhs.clone(), rhs.clone(), p)),
-            Err(PlanError::Layout(_)) => {
-                let (l, r) = (into_contiguous(lhs.clone()), into_contiguous(rhs.clone()));
-                let p = plan(&l, &r).ok()?;
-                Some((index, client, l, r, p))
-            }
-            Err(PlanError::Shape(_)) => None,
-        }
+    /// The operands of one product as cuBLASLt can read them, with their
+    /// plan, dtype and CUDA client.
+    struct Operands<'a, R: CubeRuntime> {
+        index: usize,
+        client: &'a ComputeClient<CudaRuntime>,
+        lhs: CubeTensor<R>,
+        rhs: CubeTensor<R>,
+        dtype: FloatDtype,
+        plan: GemmPlan,
     }
 
-    /// Runs the product; `false` when cuBLASLt declines it (nothing was
-    /// written).
-    fn run(
-        client: &ComputeClient<CudaRuntime>,
-        index: usize,
-        dtypes: GemmDtypes,
-        plan: &GemmPlan,
-        buffers: GemmBuffers<'_>,
-    ) -> bool {
-        match cublaslt::gemm(client, index, dtypes, plan, buffers) {
-            Ok(()) => true,
-            Err(KernelError::Unsupported(_)) => false,
-            Err(e) => panic!("cuBLASLt matmul failed: {e}"),
+    impl<'a, R: CubeRuntime> Operands<'a, R> {
+        /// `None` when this is not the CUDA runtime, the dtypes differ or
+        /// are not kernel dtypes, or the shapes do not match (the inner
+        /// backend then reports them its usual way).
+        fn new(lhs: &'a CubeTensor<R>, rhs: &CubeTensor<R>) -> Option<Self> {
+            let index = device_index::<R>(&lhs.device)?;
+            let client = (&lhs.client as &dyn Any).downcast_ref::<ComputeClient<CudaRuntime>>()?;
+            let dtype = kernel_dtype(lhs.dtype)?;
+            if rhs.dtype != lhs.dtype {
+                return None;
+            }
+            // Strides BLAS cannot read in place (broadcast rows, scattered
+            // batches) are copied once into a contiguous layout.
+            let (lhs, rhs, plan) = match plan(lhs, rhs) {
+                Ok(p) => (lhs.clone(), rhs.clone(), p),
+                Err(PlanError::Layout(_)) => {
+                    let (l, r) = (into_contiguous(lhs.clone()), into_contiguous(rhs.clone()));
+                    let p = plan(&l, &r).ok()?;
+                    (l, r, p)
+                }
+                Err(PlanError::Shape(_)) => return None,
+            };
+            Some(Self {
+                index,
+                client,
+                lhs,
+                rhs,
+                dtype,
+                plan,
+            })
+        }
+
+        /// Writes (or with `accumulate`, adds) the product into `out`;
+        /// `false` when cuBLASLt declines it (nothing was written).
+        fn run(
+            &self,
+            out: &CubeTensor<R>,
+            out_dtype: FloatDtype,
+            bias: Option<&CubeTensor<R>>,
+            accumulate: bool,
+        ) -> bool {
+            let dtypes = GemmDtypes {
+                operands: self.dtype,
+                out: out_dtype,
+            };
+            let buffers = GemmBuffers {
+                lhs: &self.lhs.handle,
+                rhs: &self.rhs.handle,
+                bias: bias.map(|b| &b.handle),
+                out: &out.handle,
+                accumulate,
+            };
+            match cublaslt::gemm(self.client, self.index, dtypes, &self.plan, buffers) {
+                Ok(()) => true,
+                Err(KernelError::Unsupported(_)) => false,
+                Err(e) => panic!("cuBLASLt matmul failed: {e}"),
+            }
         }
     }
 
@@ -166,26 +188,17 @@ mod cuda {
         if bias.is_some_and(|b| b.dtype != lhs.dtype) {
             return None;
         }
-        let dtypes = GemmDtypes {
-            operands: kernel_dtype(lhs.dtype)?,
-            out: kernel_dtype(out_dtype)?,
-        };
-        let (index, client, lhs, rhs, plan) = operands(lhs, rhs)?;
+        let out_kernel_dtype = kernel_dtype(out_dtype)?;
+        let ops = Operands::new(lhs, rhs)?;
         let bias = bias.map(|b| into_contiguous(b.clone()));
         let out = empty_device_contiguous_dtype(
-            lhs.client.clone(),
-            lhs.device.clone(),
-            plan.out_shape.clone().into(),
+            ops.lhs.client.clone(),
+            ops.lhs.device.clone(),
+            ops.plan.out_shape.clone().into(),
             out_dtype,
         );
-        let buffers = GemmBuffers {
-            lhs: &lhs.handle,
-            rhs: &rhs.handle,
-            bias: bias.as_ref().map(|b| &b.handle),
-            out: &out.handle,
-            accumulate: false,
-        };
-        run(client, index, dtypes, &plan, buffers).then_some(out)
+        ops.run(&out, out_kernel_dtype, bias.as_ref(), false)
+            .then_some(out)
     }
 
     /// `acc += lhs · rhs`; `false` when `acc` is not an f32 contiguous
@@ -195,30 +208,13 @@ mod cuda {
         rhs: &CubeTensor<R>,
         acc: &CubeTensor<R>,
     ) -> bool {
-        let Some(operand_dtype) = kernel_dtype(lhs.dtype) else {
+        let Some(ops) = Operands::new(lhs, rhs) else {
             return false;
         };
-        let Some((index, client, lhs, rhs, plan)) = operands(lhs, rhs) else {
-            return false;
-        };
-        if acc.dtype != DType::F32
-            || acc.shape().as_slice() != plan.out_shape.as_slice()
-            || !acc.is_contiguous()
-        {
-            return false;
-        }
-        let dtypes = GemmDtypes {
-            operands: operand_dtype,
-            out: FloatDtype::F32,
-        };
-        let buffers = GemmBuffers {
-            lhs: &lhs.handle,
-            rhs: &rhs.handle,
-            bias: None,
-            out: &acc.handle,
-            accumulate: true,
-        };
-        run(client, index, dtypes, &plan, buffers)
+        acc.dtype == DType::F32
+            && acc.shape().as_slice() == ops.plan.out_shape.as_slice()
+            && acc.is_contiguous()
+            && ops.run(acc, FloatDtype::F32, None, true)
     }
 }
 
