@@ -134,8 +134,9 @@ pub struct Args {
     #[arg(long, default_value_t = 1800)]
     pub child_timeout: u64,
     /// With `--model` or `--op attention`: which attention kernels
-    /// Bastile runs (`auto`: matrix products on cuBLASLt where the matmul
-    /// patch runs there, tiled kernels elsewhere).
+    /// Bastile runs (`auto`: the tensor-core kernels on CUDA in f16/bf16,
+    /// else matrix products on cuBLASLt where the matmul patch runs there,
+    /// else the tiled kernels).
     #[arg(long, value_enum, default_value = "auto")]
     pub attention: AttentionArg,
     /// Also run the same configurations through PyTorch on this GPU (the

@@ -447,8 +447,8 @@ impl<B: FusionBackend + KernelBackend> KernelBackend for Fusion<B> {
         LinearGrads::from_vec(out, has_bias)
     }
 
-    fn attention_by_products(device: &Device<Self>, dtype: DType) -> bool {
-        B::attention_by_products(device, dtype)
+    fn attention_always_fused(device: &Device<Self>, dtype: DType) -> bool {
+        B::attention_always_fused(device, dtype)
     }
 
     fn attention_supported(

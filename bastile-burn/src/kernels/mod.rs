@@ -182,9 +182,10 @@ pub trait KernelBackend: Backend {
         false
     }
 
-    /// Whether fused attention on `device` in `dtype` runs on the
-    /// matrix-product path (see [`crate::AttentionKernels`]).
-    fn attention_by_products(_device: &Device<Self>, _dtype: DType) -> bool {
+    /// Whether fused attention on `device` in `dtype` runs on a path
+    /// faster than the composite at every size (the tensor cores or matrix
+    /// products; see [`crate::AttentionKernels`]).
+    fn attention_always_fused(_device: &Device<Self>, _dtype: DType) -> bool {
         false
     }
 

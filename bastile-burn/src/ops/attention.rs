@@ -41,7 +41,8 @@ use crate::{BastileBackend, BastileError};
 /// of f32 scores per call, e.g. 16 heads at 4096 tokens), takes them where
 /// the composite's saved scores start to decide whether a model fits. The
 /// matrix-product path (see [`AttentionKernels`]) is faster than the
-/// composite at every size measured and runs whatever the size.
+/// composite at every size measured and runs whatever the size, and so do
+/// the tensor-core kernels.
 pub const DEFAULT_FUSED_FROM: u64 = 1 << 27;
 
 static FUSED_FROM: AtomicU64 = AtomicU64::new(DEFAULT_FUSED_FROM);
@@ -53,23 +54,24 @@ pub fn set_fused_from(score_elements: u64) {
 }
 
 /// Whether a call with query and key shapes `dims` takes the fused path:
-/// always on the matrix-product path (`products`), from the size set by
-/// [`set_fused_from`] on the tiled kernels.
-pub fn worth_fusing(dims: &[Shape; 2], products: bool) -> bool {
+/// always on the tensor-core and matrix-product paths (`always`), from the
+/// size set by [`set_fused_from`] on the tiled kernels.
+pub fn worth_fusing(dims: &[Shape; 2], always: bool) -> bool {
     let [q, k] = dims;
     if q.num_dims() != 4 || k.num_dims() != 4 {
         return false;
     }
     let elements = (q[0] * q[1]) as u64 * (q[2] * k[2]) as u64;
-    products || elements >= FUSED_FROM.load(Ordering::SeqCst)
+    always || elements >= FUSED_FROM.load(Ordering::SeqCst)
 }
 
 /// Which kernels the fused attention runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AttentionKernels {
-    /// Matrix products where the `matmul` patch runs them on cuBLASLt
-    /// (CUDA: tensor cores, several times faster than the tiled kernels
-    /// there), the tiled kernels everywhere else.
+    /// The tensor-core kernels where the runtime has them (CUDA, f16 and
+    /// bf16, head dims that are multiples of 16); else matrix products
+    /// where the `matmul` patch runs them on cuBLASLt; else the tiled
+    /// kernels.
     #[default]
     Auto,
     /// The tiled flash-style kernels (shared-memory tiles, f32 FMA) on

@@ -473,7 +473,7 @@ impl<B: KernelBackend> BastileBackend for Bastile<B> {
         spec: &AttentionSpec,
     ) -> bool {
         patches::is_enabled(patches::Op::Attention)
-            && attention::worth_fusing(dims, B::attention_by_products(device, dtype))
+            && attention::worth_fusing(dims, B::attention_always_fused(device, dtype))
             && B::attention_supported(device, dims, dtype, spec)
     }
 

@@ -56,7 +56,7 @@ pub(crate) fn attention_delta_kernel<F: Float>(
 /// `[k_first, k_last]`: none before the keys when causal, none a whole
 /// window past the last key.
 #[cube]
-fn query_block_range(
+pub(crate) fn query_block_range(
     k_first: usize,
     k_last: usize,
     seq_q: usize,

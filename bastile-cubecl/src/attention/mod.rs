@@ -20,13 +20,15 @@
 //! dtype. Tensors are `[batch, heads, seq, head_dim]` with any batch, head
 //! and row strides and a unit-stride head dim.
 //!
-//! This is the portable path (shared-memory tiles, f32 FMA on any
+//! This module is the portable path (shared-memory tiles, f32 FMA on any
 //! CubeCL runtime); block sizes are autotuned per (sequence lengths,
-//! head dim, dtype, masks).
+//! head dim, dtype, masks). [`mma`] computes the same on tensor cores
+//! where the runtime has them.
 
 mod backward;
 mod blocks;
 mod forward;
+pub mod mma;
 mod tile;
 
 use cubecl::prelude::*;

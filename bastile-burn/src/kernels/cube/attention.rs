@@ -54,16 +54,31 @@ pub(super) fn supported<R: CubeRuntime>(
         .is_some_and(|p| attention::supported(&R::client(device), &p))
 }
 
+/// Whether calls on `device` in `dtype` run on the tensor-core kernels
+/// where the problem allows (`Auto` on a runtime that has them).
+fn tensor_cores<R: CubeRuntime>(device: &R::Device, dtype: DType) -> bool {
+    attention_kernels() == AttentionKernels::Auto
+        && kernel_dtype(dtype).is_some_and(|d| attention::mma::available(&R::client(device), d))
+}
+
 /// Whether a call on `device` in `dtype` runs on the matrix-product path
 /// (see [`AttentionKernels`]).
 pub(super) fn by_products<R: CubeRuntime>(device: &R::Device, dtype: DType) -> bool {
     match attention_kernels() {
         AttentionKernels::Auto => {
-            is_enabled(Op::Matmul) && super::matmul::supported::<R>(device, dtype)
+            is_enabled(Op::Matmul)
+                && super::matmul::supported::<R>(device, dtype)
+                && !tensor_cores::<R>(device, dtype)
         }
         AttentionKernels::Tiled => false,
         AttentionKernels::MatrixProducts { .. } => true,
     }
+}
+
+/// Whether fused attention on `device` in `dtype` runs on a path faster
+/// than the composite at every size: the tensor cores or matrix products.
+pub(super) fn always_fused<R: CubeRuntime>(device: &R::Device, dtype: DType) -> bool {
+    tensor_cores::<R>(device, dtype) || by_products::<R>(device, dtype)
 }
 
 /// The problem of a call whose support was checked before the launch.
@@ -147,8 +162,14 @@ pub(super) fn forward<R: CubeRuntime>(
         sinks: sinks.as_ref().map(|s| s.handle.clone()),
         key_lengths: lengths.as_ref().map(|l| l.handle.clone()),
     };
-    attention::forward(&q.client, &q.device, &problem, &buffers)
-        .unwrap_or_else(|e| panic!("attention forward launch after a positive support check: {e}"));
+    let tiled = || attention::forward(&q.client, &q.device, &problem, &buffers);
+    // A problem or layout the tensor cores refuse runs on the tiled kernels.
+    if tensor_cores::<R>(&q.device, q.dtype) {
+        attention::mma::forward(&q.client, &q.device, &problem, &buffers).or_else(|_| tiled())
+    } else {
+        tiled()
+    }
+    .unwrap_or_else(|e| panic!("attention forward launch after a positive support check: {e}"));
     (out, lse)
 }
 
@@ -194,9 +215,13 @@ pub(super) fn backward<R: CubeRuntime>(
         delta: delta.handle.clone(),
         dsink_rows: dsink_rows.as_ref().map(|d| d.handle.clone()),
     };
-    attention::backward(&q.client, &q.device, &problem, &buffers).unwrap_or_else(|e| {
-        panic!("attention backward launch after a positive support check: {e}")
-    });
+    let tiled = || attention::backward(&q.client, &q.device, &problem, &buffers);
+    if tensor_cores::<R>(&q.device, q.dtype) {
+        attention::mma::backward(&q.client, &q.device, &problem, &buffers).or_else(|_| tiled())
+    } else {
+        tiled()
+    }
+    .unwrap_or_else(|e| panic!("attention backward launch after a positive support check: {e}"));
     AttentionGrads {
         q: dq,
         k: dk,

@@ -244,8 +244,8 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KernelBack
             .expect("a gradient pass returns gradients")
     }
 
-    fn attention_by_products(device: &Device<Self>, dtype: DType) -> bool {
-        attention::by_products::<R>(device, dtype)
+    fn attention_always_fused(device: &Device<Self>, dtype: DType) -> bool {
+        attention::always_fused::<R>(device, dtype)
     }
 
     fn attention_supported(

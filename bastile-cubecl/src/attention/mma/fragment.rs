@@ -1,0 +1,289 @@
+//! Register fragments of the tensor-core attention kernels.
+//!
+//! One `m16n8k16` product per instruction (`mma.sync`): A is 16×16, B is
+//! 16×8, the f32 accumulator 16×8. Each lane of the 32-lane plane holds
+//! pairs of neighbouring elements: in an accumulator, lane `l` holds row
+//! `l/4` and row `l/4 + 8`, columns `2·(l%4)` and `2·(l%4) + 1`. An A
+//! fragment is four such pairs: rows `l/4` and `l/4 + 8` of the left
+//! half of its columns, then of the right half, which is exactly two
+//! accumulators side by side: a block of probabilities computed as
+//! accumulators becomes the A operand of the next product without leaving
+//! the registers. The launcher enables these kernels only where the
+//! runtime reports this layout (CUDA, 32-lane planes, `m16n8k16`).
+//!
+//! Tiles live in shared memory row-major, as vectors of 8 elements (16
+//! bytes, what one `ldmatrix` row reads), each row padded by one vector so
+//! the 8 rows one `ldmatrix` reads fall in different banks.
+
+use cubecl::cmma::MmaDefinition;
+use cubecl::ir::MatrixIdent;
+use cubecl::prelude::barrier::copy_async;
+use cubecl::prelude::*;
+
+/// Two neighbouring elements of one row, what a lane holds per register.
+pub(crate) type Pair<E> = Vector<E, Const<2>>;
+/// The registers of one fragment or accumulator.
+pub(crate) type Frag<E> = Array<Pair<E>>;
+/// A shared-memory tile of rows of 16-byte vectors.
+pub(crate) type Tile<F, N> = SharedMemory<Vector<F, N>>;
+
+#[cube]
+pub(crate) fn mma_def<F: Float>() -> MmaDefinition<F, F, f32> {
+    MmaDefinition::new(16usize, 8usize, 16usize)
+}
+
+/// A zeroed 16×8 f32 accumulator.
+#[cube]
+pub(crate) fn zero_acc() -> Frag<f32> {
+    let mut acc = Array::<Pair<f32>>::new(2usize);
+    acc[0usize] = Pair::<f32>::new(0.0f32);
+    acc[1usize] = Pair::<f32>::new(0.0f32);
+    acc
+}
+
+/// `n` zeroed accumulators.
+#[cube]
+pub(crate) fn zero_accs(#[comptime] n: usize) -> Sequence<Frag<f32>> {
+    let mut accs = Sequence::new();
+    #[unroll]
+    for _ in 0..n {
+        accs.push(zero_acc());
+    }
+    accs
+}
+
+/// `acc += a · b`.
+#[cube]
+pub(crate) fn mma<F: Float>(a: &Frag<F>, b: &Frag<F>, acc: &mut Frag<f32>) {
+    mma_def::<F>().execute_inplace(a, b, acc);
+}
+
+/// Registers `first` and `first + 1` of a four-register load: one B
+/// fragment of a paired load.
+#[cube]
+pub(crate) fn half<F: Float>(regs: &Frag<F>, #[comptime] first: usize) -> Frag<F> {
+    let mut out = Array::<Pair<F>>::new(2usize);
+    out[0usize] = regs[first];
+    out[1usize] = regs[first + 1];
+    out
+}
+
+/// Four 8×8 matrices, lane `l` giving the address of row `l % 8` of
+/// matrix `l / 8` (its vector `idx` of the tile); transposed for B
+/// operands stored with the reduction along rows.
+#[cube]
+fn ldmatrix_x4<F: Float, N: Size>(
+    tile: &Tile<F, N>,
+    idx: usize,
+    #[comptime] transpose: bool,
+) -> Frag<F> {
+    mma_def::<F>().load_matrix::<Vector<F, N>, Const<2>>(
+        &tile.slice(idx, idx + 1),
+        MatrixIdent::B,
+        4usize,
+        transpose,
+    )
+}
+
+/// The A fragment of rows `row0 .. row0 + 16`, columns `col0 .. col0 + 16`
+/// of a row-major tile (`col0` a multiple of 8; `pitch` in vectors).
+#[cube]
+pub(crate) fn load_a<F: Float, N: Size>(
+    tile: &Tile<F, N>,
+    row0: usize,
+    col0: usize,
+    #[comptime] pitch: usize,
+) -> Frag<F> {
+    let lane = UNIT_POS_PLANE as usize;
+    // Lanes 0-15 give the rows of the left 8 columns, 16-31 the right.
+    let idx = (row0 + lane % 16) * pitch + col0 / 8 + lane / 16;
+    ldmatrix_x4::<F, N>(tile, idx, false)
+}
+
+/// Two B fragments (registers 0-1 and 2-3) from a tile whose rows are the
+/// product's columns (`Xᵀ` of a row-major `X`, as `K` in `Q·Kᵀ`): the
+/// reduction runs over columns `col0 .. col0 + 16`, the two fragments over
+/// rows `row0 .. row0 + 8` and `row0 + 8 .. row0 + 16`.
+#[cube]
+pub(crate) fn load_b_rows<F: Float, N: Size>(
+    tile: &Tile<F, N>,
+    row0: usize,
+    col0: usize,
+    #[comptime] pitch: usize,
+) -> Frag<F> {
+    let lane = UNIT_POS_PLANE as usize;
+    let idx = (row0 + (lane / 16) * 8 + lane % 8) * pitch + col0 / 8 + (lane / 8) % 2;
+    ldmatrix_x4::<F, N>(tile, idx, false)
+}
+
+/// Two B fragments (registers 0-1 and 2-3) from a row-major tile used as
+/// is (`V` in `P·V`): the reduction runs over rows `row0 .. row0 + 16`,
+/// the two fragments over columns `col0 .. col0 + 8` and `col0 + 8 ..
+/// col0 + 16`.
+#[cube]
+pub(crate) fn load_b_cols<F: Float, N: Size>(
+    tile: &Tile<F, N>,
+    row0: usize,
+    col0: usize,
+    #[comptime] pitch: usize,
+) -> Frag<F> {
+    let lane = UNIT_POS_PLANE as usize;
+    let idx = (row0 + ((lane / 8) % 2) * 8 + lane % 8) * pitch + col0 / 8 + lane / 16;
+    ldmatrix_x4::<F, N>(tile, idx, true)
+}
+
+/// The A fragment made of accumulators `2·kk` and `2·kk + 1` (16 rows, 16
+/// columns), rounded to the input dtype.
+#[cube]
+pub(crate) fn acc_to_a<F: Float>(accs: &Sequence<Frag<f32>>, #[comptime] kk: usize) -> Frag<F> {
+    let left = accs.index(2 * kk);
+    let right = accs.index(2 * kk + 1);
+    let mut a = Array::<Pair<F>>::new(4usize);
+    a[0usize] = Pair::<F>::cast_from(left[0usize]);
+    a[1usize] = Pair::<F>::cast_from(left[1usize]);
+    a[2usize] = Pair::<F>::cast_from(right[0usize]);
+    a[3usize] = Pair::<F>::cast_from(right[1usize]);
+    a
+}
+
+/// The maximum over the four lanes that share an accumulator row.
+#[cube]
+pub(crate) fn quad_max(x: f32) -> f32 {
+    let a = f32::max(x, plane_shuffle_xor(x, 1u32));
+    f32::max(a, plane_shuffle_xor(a, 2u32))
+}
+
+/// The sum over the four lanes that share an accumulator row.
+#[cube]
+pub(crate) fn quad_sum(x: f32) -> f32 {
+    let a = x + plane_shuffle_xor(x, 1u32);
+    a + plane_shuffle_xor(a, 2u32)
+}
+
+/// Copies rows `first .. first + rows` of one head (rows `stride` vectors
+/// apart from `base`, `d/8` vectors each) into a padded tile, zeros past
+/// `limit`. Every unit of the cube takes part.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn load_tile<F: Float, N: Size>(
+    src: &Tensor<Vector<F, N>>,
+    base: usize,
+    stride: usize,
+    first: usize,
+    limit: usize,
+    tile: &mut Tile<F, N>,
+    #[comptime] rows: usize,
+    #[comptime] vecs: usize,
+    #[comptime] units: usize,
+) {
+    let pitch = comptime![vecs + 1];
+    let total = comptime![rows * vecs];
+    #[unroll]
+    for it in 0..comptime![total.div_ceil(units)] {
+        let i = UNIT_POS as usize + it * units;
+        if i < total {
+            let r = i / vecs;
+            let c = i % vecs;
+            let mut value = Vector::<F, N>::new(F::cast_from(0.0f32));
+            if first + r < limit {
+                value = src[base + (first + r) * stride + c];
+            }
+            tile[r * pitch + c] = value;
+        }
+    }
+}
+
+/// Writes accumulators holding rows `row0 .. row0 + 16` (all `d/8` column
+/// tiles) into rows of a padded tile, rounded to the input dtype; the same
+/// plane reads them back with [`store_rows`].
+#[cube]
+pub(crate) fn stage_rows<F: Float, N: Size>(
+    accs: &Sequence<Frag<f32>>,
+    tile: &mut Tile<F, N>,
+    row0: usize,
+    scale_top: f32,
+    scale_bottom: f32,
+    #[comptime] vecs: usize,
+) {
+    let lane = UNIT_POS_PLANE as usize;
+    let pitch2 = comptime![(vecs + 1) * 4];
+    let mut pairs = tile.to_slice_mut().with_vector_size::<Const<2>>();
+    let top = (row0 + lane / 4) * pitch2 + lane % 4;
+    #[unroll]
+    for nt in 0..comptime![vecs] {
+        let acc = accs.index(nt);
+        pairs[top + nt * 4] = Pair::<F>::cast_from(acc[0usize] * Pair::<f32>::new(scale_top));
+        pairs[top + 8 * pitch2 + nt * 4] =
+            Pair::<F>::cast_from(acc[1usize] * Pair::<f32>::new(scale_bottom));
+    }
+}
+
+/// Writes rows `row0 .. row0 + 16` of a padded tile to rows `first ..` of
+/// one head in global memory (rows `stride` vectors apart from `base`),
+/// skipping rows at or past `limit`. One plane.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn store_rows<F: Float, N: Size>(
+    tile: &Tile<F, N>,
+    row0: usize,
+    dst: &mut Tensor<Vector<F, N>>,
+    base: usize,
+    stride: usize,
+    first: usize,
+    limit: usize,
+    #[comptime] vecs: usize,
+) {
+    let lane = UNIT_POS_PLANE as usize;
+    let pitch = comptime![vecs + 1];
+    let total = comptime![16 * vecs];
+    #[unroll]
+    for it in 0..comptime![total.div_ceil(32)] {
+        let i = lane + it * 32;
+        let r = i / vecs;
+        let c = i % vecs;
+        if i < total && first + r < limit {
+            dst[base + (first + r) * stride + c] = tile[(row0 + r) * pitch + c];
+        }
+    }
+}
+
+/// [`load_tile`] without waiting: each unit issues asynchronous 16-byte
+/// copies of its vectors into rows `row0 ..` of the tile (zeros past
+/// `limit` are stored directly). The copies land by the next
+/// `commit_copy_async` + `arrive_and_wait` on the cube's barrier.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn copy_tile<F: Float, N: Size>(
+    src: &Tensor<Vector<F, N>>,
+    base: usize,
+    stride: usize,
+    first: usize,
+    limit: usize,
+    tile: &mut Tile<F, N>,
+    row0: usize,
+    #[comptime] rows: usize,
+    #[comptime] vecs: usize,
+    #[comptime] units: usize,
+) {
+    let pitch = comptime![vecs + 1];
+    let total = comptime![rows * vecs];
+    #[unroll]
+    for it in 0..comptime![total.div_ceil(units)] {
+        let i = UNIT_POS as usize + it * units;
+        if i < total {
+            let r = i / vecs;
+            let c = i % vecs;
+            let dst = (row0 + r) * pitch + c;
+            if first + r < limit {
+                let at = base + (first + r) * stride + c;
+                copy_async(
+                    &src.slice(at, at + 1),
+                    &mut tile.slice_mut(dst, dst + 1),
+                    8u32,
+                );
+            } else {
+                tile[dst] = Vector::<F, N>::new(F::cast_from(0.0f32));
+            }
+        }
+    }
+}

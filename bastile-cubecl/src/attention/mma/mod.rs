@@ -1,0 +1,429 @@
+//! The tensor-core attention path: the same forward and backward as the
+//! tiled kernels (same `o`, `lse`, `Δ` and masks, so either path's
+//! forward pairs with either's backward), with every product on the
+//! tensor cores (`mma.sync` `m16n8k16`, f16/bf16 inputs, f32
+//! accumulation) and the scores, probabilities and accumulators kept in
+//! registers. A cube is `planes` planes of 32 lanes, each owning 16 rows;
+//! the other side streams past in blocks of `cols` rows.
+//!
+//! It runs where the runtime offers that instruction with the register
+//! layout the kernels are written for (CUDA, sm_80 and newer), for f16
+//! and bf16, head dims that are multiples of 16 (up to 256), and tensors
+//! whose strides and offsets allow 16-byte loads; [`usable`] says whether
+//! a problem qualifies.
+
+mod backward;
+mod forward;
+mod fragment;
+
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+use cubecl::tune::{LocalTuner, local_tuner};
+
+use super::tile::{AttnTile, cube_coords};
+use super::{
+    AttentionBackwardBuffers, AttentionForwardBuffers, AttentionProblem, AttnKey, HeadLayout,
+    backward_delta, flat_arg, key,
+};
+use crate::tune::{CandidateCache, Tuner, run_tuned};
+use crate::{FloatDtype, KernelError, launch};
+
+/// Elements per 16-byte vector of f16/bf16: the kernels' unit of
+/// global and shared memory traffic.
+const VEC: usize = 8;
+
+/// One launch configuration: `planes` planes of 16 rows each own the
+/// cube's rows; the other side streams in blocks of `cols` rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct MmaLaunch {
+    pub planes: u32,
+    pub cols: u32,
+}
+
+impl MmaLaunch {
+    fn rows(&self) -> usize {
+        16 * self.planes as usize
+    }
+
+    fn tile(&self, problem: &AttentionProblem) -> AttnTile {
+        AttnTile {
+            rows: self.rows() as u32,
+            cols: self.cols,
+            upr: 32,
+            head_dim: problem.head_dim as u32,
+            pitch: (problem.head_dim / VEC + 1) as u32,
+            causal: problem.causal,
+            window: problem.window.is_some(),
+            sinks: problem.sinks,
+            key_lengths: problem.key_lengths,
+        }
+    }
+
+    /// Shared memory of the forward or of the larger backward kernel: padded
+    /// tiles of 16-byte vectors (and the backward's per-query statistics).
+    fn shared_bytes(&self, problem: &AttentionProblem, backward: bool) -> usize {
+        let row = (problem.head_dim / VEC + 1) * 16;
+        let (rows, cols) = (self.rows(), self.cols as usize);
+        if backward {
+            // dQ: two stages of `2·cols` keys and values.
+            let dkdv = 2 * (rows + cols) * row + 2 * cols * 4;
+            let dq = (2 * rows + 8 * cols) * row;
+            dkdv.max(dq)
+        } else {
+            // Two stages of keys and values.
+            (rows + 4 * cols) * row
+        }
+    }
+
+    fn check<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        problem: &AttentionProblem,
+        backward: bool,
+    ) -> Result<AttnTile, KernelError> {
+        if self.planes == 0 || self.cols == 0 || !self.cols.is_multiple_of(16) {
+            return Err(KernelError::Unsupported(format!(
+                "{self:?}: blocks must be whole 16-row fragments"
+            )));
+        }
+        launch::check_cube_fits(
+            client,
+            32 * self.planes,
+            self.shared_bytes(problem, backward),
+        )?;
+        Ok(self.tile(problem))
+    }
+}
+
+/// Whether this client runs the tensor-core kernels in `dtype` at all:
+/// CUDA with 32-lane planes, `m16n8k16` products of `dtype` into f32 and
+/// `ldmatrix` loads of it.
+pub fn available<R: Runtime>(client: &ComputeClient<R>, dtype: FloatDtype) -> bool {
+    let props = client.properties();
+    let hw = &props.hardware;
+    if dtype == FloatDtype::F32 {
+        return false;
+    }
+    let elem = dtype.storage();
+    let f32_elem = FloatDtype::F32.storage();
+    let mma = props.features.matmul.mma.iter().any(|c| {
+        c.a_type == elem
+            && c.b_type == elem
+            && c.cd_type == f32_elem
+            && (c.m, c.n, c.k) == (16, 8, 16)
+    });
+    R::name(client) == "cuda"
+        && mma
+        && props.features.matmul.ldmatrix.contains(&elem)
+        && hw.plane_size_min == 32
+        && hw.plane_size_max == 32
+}
+
+/// Whether `problem` can run on the tensor-core path on this client (its
+/// buffers are checked at launch; see the module docs).
+pub fn usable<R: Runtime>(client: &ComputeClient<R>, problem: &AttentionProblem) -> bool {
+    problem.validate().is_ok()
+        && available(client, problem.dtype)
+        && problem.head_dim.is_multiple_of(16)
+        && problem.head_dim <= 256
+}
+
+/// 16-byte loads need every stride a whole number of vectors and every
+/// buffer starting on a 16-byte boundary.
+fn vector_layout(layouts: &[&HeadLayout]) -> Result<(), KernelError> {
+    for l in layouts {
+        let offset = l.handle.offset_start.unwrap_or(0);
+        if l.strides.iter().any(|s| !s.is_multiple_of(VEC)) || !offset.is_multiple_of(16) {
+            return Err(KernelError::Unsupported(format!(
+                "the tensor-core attention reads 16-byte vectors: strides {:?} at byte \
+                 offset {offset} do not allow them",
+                l.strides
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn vec_strides<R: Runtime>(layouts: &[&HeadLayout]) -> SequenceArg<R, usize> {
+    layouts
+        .iter()
+        .flat_map(|l| l.strides.map(|s| s / VEC))
+        .collect()
+}
+
+fn ready<R: Runtime>(
+    client: &ComputeClient<R>,
+    problem: &AttentionProblem,
+    layouts: &[&HeadLayout],
+) -> Result<(), KernelError> {
+    problem.validate()?;
+    if !usable(client, problem) {
+        return Err(KernelError::Unsupported(format!(
+            "the tensor-core attention does not run {problem:?} on this device"
+        )));
+    }
+    vector_layout(layouts)
+}
+
+fn dummy<R: Runtime>(client: &ComputeClient<R>) -> Handle {
+    client.empty(4)
+}
+
+/// Launches the forward with one explicit configuration.
+pub fn forward_with<R: Runtime>(
+    client: &ComputeClient<R>,
+    problem: &AttentionProblem,
+    buffers: &AttentionForwardBuffers,
+    config: &MmaLaunch,
+) -> Result<(), KernelError> {
+    let b = buffers;
+    ready(client, problem, &[&b.q, &b.k, &b.v, &b.out])?;
+    let t = config.check(client, problem, false)?;
+    let p = problem;
+    let q_blocks = p.seq_q.div_ceil(config.rows());
+    let count = launch::cube_count(client, p.batch * p.heads * q_blocks)?;
+    let sinks = b.sinks.clone().unwrap_or_else(|| dummy(client));
+    let lengths = b.key_lengths.clone().unwrap_or_else(|| dummy(client));
+    unsafe {
+        forward::mma_forward_kernel::launch_unchecked::<R>(
+            client,
+            count,
+            CubeDim::new_1d(32 * config.planes),
+            VEC,
+            b.q.arg(p.batch, p.heads, p.seq_q, p.head_dim),
+            b.k.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
+            b.v.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
+            b.out.arg(p.batch, p.heads, p.seq_q, p.head_dim),
+            flat_arg(&b.lse, p.query_rows()),
+            flat_arg(&sinks, p.heads),
+            flat_arg(&lengths, p.batch),
+            vec_strides(&[&b.q, &b.k, &b.v, &b.out]),
+            p.batch,
+            p.heads,
+            p.group(),
+            p.seq_q,
+            p.seq_k,
+            q_blocks,
+            p.window.unwrap_or(0),
+            p.scale,
+            t,
+            p.dtype.storage(),
+        )
+    }
+    Ok(())
+}
+
+/// Launches the backward (`Δ`, then dK/dV, then dQ) with one explicit
+/// configuration: the dK/dV kernel owns `16·planes` keys and streams
+/// `cols` queries; the dQ kernel owns `16·planes` queries and streams
+/// `2·cols` keys (it holds one head-dim accumulator per lane where the
+/// dK/dV kernel holds two, so it affords the wider blocks).
+pub fn backward_with<R: Runtime>(
+    client: &ComputeClient<R>,
+    problem: &AttentionProblem,
+    buffers: &AttentionBackwardBuffers,
+    config: &MmaLaunch,
+) -> Result<(), KernelError> {
+    let b = buffers;
+    let layouts = [&b.q, &b.k, &b.v, &b.out, &b.dout, &b.dq, &b.dk, &b.dv];
+    ready(client, problem, &layouts)?;
+    let t = config.check(client, problem, true)?;
+    let p = problem;
+    let lengths = b.key_lengths.clone().unwrap_or_else(|| dummy(client));
+    let rows = p.query_rows();
+    let q_arg = || b.q.arg(p.batch, p.heads, p.seq_q, p.head_dim);
+    let k_arg = || b.k.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim);
+    let v_arg = || b.v.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim);
+    let do_arg = || b.dout.arg(p.batch, p.heads, p.seq_q, p.head_dim);
+    backward_delta(client, problem, buffers)?;
+    unsafe {
+        let k_blocks = p.seq_k.div_ceil(config.rows());
+        backward::mma_dkdv_kernel::launch_unchecked::<R>(
+            client,
+            launch::cube_count(client, p.batch * p.kv_heads * k_blocks)?,
+            CubeDim::new_1d(32 * config.planes),
+            VEC,
+            q_arg(),
+            k_arg(),
+            v_arg(),
+            do_arg(),
+            flat_arg(&b.lse, rows),
+            flat_arg(&b.delta, rows),
+            flat_arg(&lengths, p.batch),
+            b.dk.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
+            b.dv.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
+            vec_strides(&layouts),
+            p.batch,
+            p.heads,
+            p.group(),
+            p.seq_q,
+            p.seq_k,
+            k_blocks,
+            p.window.unwrap_or(0),
+            p.scale,
+            t,
+            p.dtype.storage(),
+        );
+        let q_blocks = p.seq_q.div_ceil(config.rows());
+        let t = AttnTile {
+            cols: 2 * t.cols,
+            ..t
+        };
+        backward::mma_dq_kernel::launch_unchecked::<R>(
+            client,
+            launch::cube_count(client, p.batch * p.heads * q_blocks)?,
+            CubeDim::new_1d(32 * config.planes),
+            VEC,
+            q_arg(),
+            k_arg(),
+            v_arg(),
+            do_arg(),
+            flat_arg(&b.lse, rows),
+            flat_arg(&b.delta, rows),
+            flat_arg(&lengths, p.batch),
+            b.dq.arg(p.batch, p.heads, p.seq_q, p.head_dim),
+            vec_strides(&layouts),
+            p.batch,
+            p.heads,
+            p.group(),
+            p.seq_q,
+            p.seq_k,
+            q_blocks,
+            p.window.unwrap_or(0),
+            p.scale,
+            t,
+            p.dtype.storage(),
+        );
+    }
+    Ok(())
+}
+
+/// Every configuration that fits `problem` on this device, for the forward
+/// or the backward (the backward holds two accumulators of the head dim
+/// per lane, so it streams narrower blocks).
+pub fn candidates<R: Runtime>(
+    client: &ComputeClient<R>,
+    problem: &AttentionProblem,
+    backward: bool,
+) -> Vec<MmaLaunch> {
+    let shapes: &[(u32, u32)] = if backward {
+        &[(4, 32), (4, 16), (8, 32), (8, 16), (2, 32)]
+    } else {
+        &[(4, 64), (4, 32), (8, 64), (8, 32), (12, 64), (8, 128)]
+    };
+    shapes
+        .iter()
+        .map(|&(planes, cols)| MmaLaunch { planes, cols })
+        .filter(|c| c.check(client, problem, backward).is_ok())
+        .collect()
+}
+
+static FORWARD_TUNER: Tuner<AttnKey> = local_tuner!("bastile-attention-mma-forward");
+static BACKWARD_TUNER: Tuner<AttnKey> = local_tuner!("bastile-attention-mma-backward");
+static CANDIDATES: CandidateCache<(usize, FloatDtype, bool), MmaLaunch> = CandidateCache::new();
+
+/// Forgets every tuning decision of this path taken in this process.
+pub fn clear_autotune() {
+    FORWARD_TUNER.clear();
+    BACKWARD_TUNER.clear();
+}
+
+fn tuned_candidates<R: Runtime>(
+    client: &ComputeClient<R>,
+    device: &R::Device,
+    problem: &AttentionProblem,
+    backward: bool,
+) -> (cubecl::CubeTuneId, AttnKey, std::sync::Arc<Vec<MmaLaunch>>) {
+    let id = cubecl::CubeTuneId::new(client, device);
+    let class = (problem.head_dim, problem.dtype, backward);
+    let list = CANDIDATES.get(&id, class, || candidates(client, problem, backward));
+    (id, key(problem, backward), list)
+}
+
+/// Runs the forward with the autotuned configuration.
+pub fn forward<R: Runtime>(
+    client: &ComputeClient<R>,
+    device: &R::Device,
+    problem: &AttentionProblem,
+    buffers: &AttentionForwardBuffers,
+) -> Result<(), KernelError> {
+    let b = buffers;
+    ready(client, problem, &[&b.q, &b.k, &b.v, &b.out])?;
+    let (id, key, list) = tuned_candidates(client, device, problem, false);
+    run_tuned(
+        &FORWARD_TUNER,
+        key,
+        forward_with::<R>,
+        client,
+        &id,
+        problem,
+        buffers,
+        list,
+    )
+}
+
+/// Runs the backward with the autotuned configuration.
+pub fn backward<R: Runtime>(
+    client: &ComputeClient<R>,
+    device: &R::Device,
+    problem: &AttentionProblem,
+    buffers: &AttentionBackwardBuffers,
+) -> Result<(), KernelError> {
+    let b = buffers;
+    ready(
+        client,
+        problem,
+        &[&b.q, &b.k, &b.v, &b.out, &b.dout, &b.dq, &b.dk, &b.dv],
+    )?;
+    let (id, key, list) = tuned_candidates(client, device, problem, true);
+    run_tuned(
+        &BACKWARD_TUNER,
+        key,
+        backward_with::<R>,
+        client,
+        &id,
+        problem,
+        buffers,
+        list,
+    )
+}
+
+/// `(batch, head, block)` of this cube, the blocks of a head in reverse
+/// when `reverse` and causal: under a causal mask the last query blocks
+/// see the most keys, and starting them first keeps the tail short.
+#[cube]
+pub(crate) fn mma_cube_coords(
+    blocks: usize,
+    heads: usize,
+    #[comptime] reverse: bool,
+    #[comptime] t: AttnTile,
+) -> (usize, usize, usize) {
+    let (b, h, blk) = cube_coords(blocks, heads);
+    let mut block = blk;
+    if comptime![reverse && t.causal] {
+        block = blocks - 1 - blk;
+    }
+    (b, h, block)
+}
+
+/// Whether every query position in `[q_first, q_last]` sees every key in
+/// `[k_first, k_last]`: then the block needs no mask.
+#[cube]
+pub(crate) fn block_full(
+    q_first: usize,
+    q_last: usize,
+    k_first: usize,
+    k_last: usize,
+    klen: usize,
+    window: usize,
+    #[comptime] t: AttnTile,
+) -> bool {
+    let mut full = k_last < klen;
+    if comptime![t.causal] {
+        full = full && k_last <= q_first;
+    }
+    if comptime![t.window] {
+        full = full && q_last < k_first + window;
+    }
+    full
+}
