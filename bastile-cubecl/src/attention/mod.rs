@@ -261,8 +261,31 @@ fn dummy<R: Runtime>(client: &ComputeClient<R>) -> Handle {
     client.empty(4)
 }
 
-fn seq_strides<R: Runtime>(layouts: &[&HeadLayout]) -> SequenceArg<R, usize> {
-    layouts.iter().flat_map(|l| l.strides).collect()
+/// The batch, head and row strides of `layouts` in order, in units of
+/// `unit` elements (1 for element-wise kernels, the vector width for
+/// vectorized ones); the kernels index them by position.
+fn seq_strides<R: Runtime>(layouts: &[&HeadLayout], unit: usize) -> SequenceArg<R, usize> {
+    layouts
+        .iter()
+        .flat_map(|l| l.strides.map(|s| s / unit))
+        .collect()
+}
+
+impl AttentionForwardBuffers {
+    /// q, k, v, out: the order the kernels read their strides in.
+    fn layouts(&self) -> [&HeadLayout; 4] {
+        [&self.q, &self.k, &self.v, &self.out]
+    }
+}
+
+impl AttentionBackwardBuffers {
+    /// q, k, v, out, dout, dq, dk, dv: the order the kernels read their
+    /// strides in.
+    fn layouts(&self) -> [&HeadLayout; 8] {
+        [
+            &self.q, &self.k, &self.v, &self.out, &self.dout, &self.dq, &self.dk, &self.dv,
+        ]
+    }
 }
 
 /// Launches the forward with one explicit configuration.
@@ -278,7 +301,7 @@ pub fn forward_with<R: Runtime>(
     let q_blocks = p.seq_q.div_ceil(config.rows as usize);
     let count = launch::cube_count(client, p.batch * p.heads * q_blocks)?;
     let b = &buffers;
-    let strides = seq_strides(&[&b.q, &b.k, &b.v, &b.out]);
+    let strides = seq_strides(&b.layouts(), 1);
     let sinks = b.sinks.clone().unwrap_or_else(|| dummy(client));
     let lengths = b.key_lengths.clone().unwrap_or_else(|| dummy(client));
     unsafe {
@@ -322,7 +345,7 @@ pub fn backward_with<R: Runtime>(
     let t = config.check(client, problem, true)?;
     let p = problem;
     let b = &buffers;
-    let strides = || seq_strides(&[&b.q, &b.k, &b.v, &b.out, &b.dout, &b.dq, &b.dk, &b.dv]);
+    let strides = || seq_strides(&b.layouts(), 1);
     let lengths = b.key_lengths.clone().unwrap_or_else(|| dummy(client));
     let rows = p.query_rows();
     let q_arg = || b.q.arg(p.batch, p.heads, p.seq_q, p.head_dim);
@@ -416,7 +439,7 @@ fn launch_delta<R: Runtime>(
 ) -> Result<(), KernelError> {
     let rows = p.query_rows();
     let units = config.units() as usize;
-    let strides = seq_strides(&[&b.q, &b.k, &b.v, &b.out, &b.dout, &b.dq, &b.dk, &b.dv]);
+    let strides = seq_strides(&b.layouts(), 1);
     let sinks = b.sinks.clone().unwrap_or_else(|| dummy(client));
     let dsink_rows = b.dsink_rows.clone().unwrap_or_else(|| dummy(client));
     unsafe {

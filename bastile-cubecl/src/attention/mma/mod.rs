@@ -17,13 +17,12 @@ mod forward;
 mod fragment;
 
 use cubecl::prelude::*;
-use cubecl::server::Handle;
 use cubecl::tune::{LocalTuner, local_tuner};
 
 use super::tile::{AttnTile, cube_coords};
 use super::{
     AttentionBackwardBuffers, AttentionForwardBuffers, AttentionProblem, AttnKey, HeadLayout,
-    backward_delta, flat_arg, key,
+    backward_delta, dummy, flat_arg, key, seq_strides,
 };
 use crate::tune::{CandidateCache, Tuner, run_tuned};
 use crate::{FloatDtype, KernelError, launch};
@@ -144,13 +143,6 @@ fn vector_layout(layouts: &[&HeadLayout]) -> Result<(), KernelError> {
     Ok(())
 }
 
-fn vec_strides<R: Runtime>(layouts: &[&HeadLayout]) -> SequenceArg<R, usize> {
-    layouts
-        .iter()
-        .flat_map(|l| l.strides.map(|s| s / VEC))
-        .collect()
-}
-
 fn ready<R: Runtime>(
     client: &ComputeClient<R>,
     problem: &AttentionProblem,
@@ -165,10 +157,6 @@ fn ready<R: Runtime>(
     vector_layout(layouts)
 }
 
-fn dummy<R: Runtime>(client: &ComputeClient<R>) -> Handle {
-    client.empty(4)
-}
-
 /// Launches the forward with one explicit configuration.
 pub fn forward_with<R: Runtime>(
     client: &ComputeClient<R>,
@@ -177,7 +165,7 @@ pub fn forward_with<R: Runtime>(
     config: &MmaLaunch,
 ) -> Result<(), KernelError> {
     let b = buffers;
-    ready(client, problem, &[&b.q, &b.k, &b.v, &b.out])?;
+    ready(client, problem, &b.layouts())?;
     let t = config.check(client, problem, false)?;
     let p = problem;
     let q_blocks = p.seq_q.div_ceil(config.rows());
@@ -197,7 +185,7 @@ pub fn forward_with<R: Runtime>(
             flat_arg(&b.lse, p.query_rows()),
             flat_arg(&sinks, p.heads),
             flat_arg(&lengths, p.batch),
-            vec_strides(&[&b.q, &b.k, &b.v, &b.out]),
+            seq_strides(&b.layouts(), VEC),
             p.batch,
             p.heads,
             p.group(),
@@ -225,7 +213,7 @@ pub fn backward_with<R: Runtime>(
     config: &MmaLaunch,
 ) -> Result<(), KernelError> {
     let b = buffers;
-    let layouts = [&b.q, &b.k, &b.v, &b.out, &b.dout, &b.dq, &b.dk, &b.dv];
+    let layouts = b.layouts();
     ready(client, problem, &layouts)?;
     let t = config.check(client, problem, true)?;
     let p = problem;
@@ -252,7 +240,7 @@ pub fn backward_with<R: Runtime>(
             flat_arg(&lengths, p.batch),
             b.dk.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
             b.dv.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
-            vec_strides(&layouts),
+            seq_strides(&layouts, VEC),
             p.batch,
             p.heads,
             p.group(),
@@ -282,7 +270,7 @@ pub fn backward_with<R: Runtime>(
             flat_arg(&b.delta, rows),
             flat_arg(&lengths, p.batch),
             b.dq.arg(p.batch, p.heads, p.seq_q, p.head_dim),
-            vec_strides(&layouts),
+            seq_strides(&layouts, VEC),
             p.batch,
             p.heads,
             p.group(),
@@ -348,7 +336,7 @@ pub fn forward<R: Runtime>(
     buffers: &AttentionForwardBuffers,
 ) -> Result<(), KernelError> {
     let b = buffers;
-    ready(client, problem, &[&b.q, &b.k, &b.v, &b.out])?;
+    ready(client, problem, &b.layouts())?;
     let (id, key, list) = tuned_candidates(client, device, problem, false);
     run_tuned(
         &FORWARD_TUNER,
@@ -370,11 +358,7 @@ pub fn backward<R: Runtime>(
     buffers: &AttentionBackwardBuffers,
 ) -> Result<(), KernelError> {
     let b = buffers;
-    ready(
-        client,
-        problem,
-        &[&b.q, &b.k, &b.v, &b.out, &b.dout, &b.dq, &b.dk, &b.dv],
-    )?;
+    ready(client, problem, &b.layouts())?;
     let (id, key, list) = tuned_candidates(client, device, problem, true);
     run_tuned(
         &BACKWARD_TUNER,
