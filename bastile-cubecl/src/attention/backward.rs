@@ -15,13 +15,18 @@
 use cubecl::prelude::*;
 
 use super::forward::query_block_keys;
+use crate::reduce::lane_sum;
+
 use super::tile::{AttnTile, accumulate, allowed, cube_coords, key_count, load_block, row_scores};
 
+/// `Δ = rowsum(o ⊙ dO)` (and each row's share of the sink gradient), one
+/// unit per query row reading `N`-element vectors: a row's `d/N` loads hit
+/// the same few cache lines, so the walk along the row is served by L1.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn attention_delta_kernel<F: Float>(
-    out: &Tensor<F>,
-    dout: &Tensor<F>,
+pub(crate) fn attention_delta_kernel<F: Float, N: Size>(
+    out: &Tensor<Vector<F, N>>,
+    dout: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
     sinks: &Tensor<f32>,
     delta: &mut Tensor<f32>,
@@ -30,6 +35,7 @@ pub(crate) fn attention_delta_kernel<F: Float>(
     heads: usize,
     seq_q: usize,
     total_rows: usize,
+    #[comptime] vecs: usize,
     #[comptime] t: AttnTile,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -40,10 +46,13 @@ pub(crate) fn attention_delta_kernel<F: Float>(
         let b = r / seq_q / heads;
         let o = b * strides[9usize] + h * strides[10usize] + qi * strides[11usize];
         let g = b * strides[12usize] + h * strides[13usize] + qi * strides[14usize];
-        let mut acc = 0.0f32;
-        for d in 0..comptime![t.head_dim as usize] {
-            acc += f32::cast_from(out[o + d]) * f32::cast_from(dout[g + d]);
+        let mut acc = Vector::<f32, N>::new(0.0f32);
+        #[unroll]
+        for i in 0..vecs {
+            acc +=
+                Vector::<f32, N>::cast_from(out[o + i]) * Vector::<f32, N>::cast_from(dout[g + i]);
         }
+        let acc = lane_sum(acc);
         delta[r] = acc;
         if comptime![t.sinks] {
             // The sink has no value: its score gradient is p_sink·(0 − Δ).

@@ -439,7 +439,25 @@ fn launch_delta<R: Runtime>(
 ) -> Result<(), KernelError> {
     let rows = p.query_rows();
     let units = config.units() as usize;
-    let strides = seq_strides(&b.layouts(), 1);
+    // The widest vector every row of `out` and `dO` splits into.
+    let size = p.dtype.size();
+    let vec = client
+        .io_optimized_vector_sizes(size)
+        .filter(|&v| {
+            v > 0
+                && v * size <= 16
+                && p.head_dim.is_multiple_of(v)
+                && [&b.out, &b.dout].iter().all(|l| {
+                    l.strides.iter().all(|s| s.is_multiple_of(v))
+                        && l.handle
+                            .offset_start
+                            .unwrap_or(0)
+                            .is_multiple_of((v * size) as u64)
+                })
+        })
+        .max()
+        .unwrap_or(1);
+    let strides = seq_strides(&b.layouts(), vec);
     let sinks = b.sinks.clone().unwrap_or_else(|| dummy(client));
     let dsink_rows = b.dsink_rows.clone().unwrap_or_else(|| dummy(client));
     unsafe {
@@ -447,6 +465,7 @@ fn launch_delta<R: Runtime>(
             client,
             launch::cube_count(client, rows.div_ceil(units))?,
             CubeDim::new_1d(config.units()),
+            vec,
             b.out.arg(p.batch, p.heads, p.seq_q, p.head_dim),
             b.dout.arg(p.batch, p.heads, p.seq_q, p.head_dim),
             flat_arg(&b.lse, rows),
@@ -457,6 +476,7 @@ fn launch_delta<R: Runtime>(
             p.heads,
             p.seq_q,
             rows,
+            p.head_dim / vec,
             t,
             p.dtype.storage(),
         );

@@ -13,9 +13,12 @@
 //! a problem qualifies.
 
 mod backward;
+mod dq_sum;
 mod forward;
 mod fragment;
 
+use cubecl::ir::features::AtomicUsage;
+use cubecl::ir::{ElemType, FloatKind, StorageType, Type};
 use cubecl::prelude::*;
 use cubecl::tune::{LocalTuner, local_tuner};
 
@@ -37,6 +40,11 @@ const VEC: usize = 8;
 pub struct MmaLaunch {
     pub planes: u32,
     pub cols: u32,
+    /// Backward only: dQ added into an f32 accumulator by the dK/dV kernel
+    /// with atomics (five products per block pair, the last bits of dQ
+    /// varying from run to run) instead of recomputed by its own kernel
+    /// (seven, deterministic).
+    pub fused_dq: bool,
 }
 
 impl MmaLaunch {
@@ -64,10 +72,15 @@ impl MmaLaunch {
         let row = (problem.head_dim / VEC + 1) * 16;
         let (rows, cols) = (self.rows(), self.cols as usize);
         if backward {
-            // dQ: two stages of `2·cols` keys and values.
-            let dkdv = 2 * (rows + cols) * row + 2 * cols * 4;
-            let dq = (2 * rows + 8 * cols) * row;
-            dkdv.max(dq)
+            // Keys and values, two stages of queries and output gradients
+            // with their statistics, and with the fused dQ its `dS` tile.
+            let dkdv = 2 * (rows + 2 * cols) * row + 4 * cols * 4;
+            if self.fused_dq {
+                dkdv + cols * (rows / VEC + 1) * 16
+            } else {
+                // The dQ kernel: two stages of `2·cols` keys and values.
+                dkdv.max((2 * rows + 8 * cols) * row)
+            }
         } else {
             // Two stages of keys and values.
             (rows + 4 * cols) * row
@@ -83,6 +96,12 @@ impl MmaLaunch {
         if self.planes == 0 || self.cols == 0 || !self.cols.is_multiple_of(16) {
             return Err(KernelError::Unsupported(format!(
                 "{self:?}: blocks must be whole 16-row fragments"
+            )));
+        }
+        if self.fused_dq && !(backward && atomic_quads(client)) {
+            return Err(KernelError::Unsupported(format!(
+                "{self:?}: the fused dQ is a backward form and needs atomic additions of four \
+                 f32"
             )));
         }
         launch::check_cube_fits(
@@ -116,6 +135,16 @@ pub fn available<R: Runtime>(client: &ComputeClient<R>, dtype: FloatDtype) -> bo
         && props.features.matmul.ldmatrix.contains(&elem)
         && hw.plane_size_min == 32
         && hw.plane_size_max == 32
+}
+
+/// Whether the device adds vectors of four f32 atomically (sm_90 and
+/// newer), what the fused dQ accumulates with.
+fn atomic_quads<R: Runtime>(client: &ComputeClient<R>) -> bool {
+    let quad = Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32))).with_vector_size(4);
+    client
+        .properties()
+        .atomic_type_usage(quad)
+        .contains(AtomicUsage::Add)
 }
 
 /// Whether `problem` can run on the tensor-core path on this client (its
@@ -201,11 +230,12 @@ pub fn forward_with<R: Runtime>(
     Ok(())
 }
 
-/// Launches the backward (`Δ`, then dK/dV, then dQ) with one explicit
-/// configuration: the dK/dV kernel owns `16·planes` keys and streams
-/// `cols` queries; the dQ kernel owns `16·planes` queries and streams
+/// Launches the backward with one explicit configuration: `Δ`, then the
+/// dK/dV kernel, which owns `16·planes` keys and streams `cols` queries;
+/// then either the dQ kernel, which owns `16·planes` queries and streams
 /// `2·cols` keys (it holds one head-dim accumulator per lane where the
-/// dK/dV kernel holds two, so it affords the wider blocks).
+/// dK/dV kernel holds two, so it affords the wider blocks), or, with
+/// `fused_dq`, the rounding of the dQ the dK/dV kernel accumulated.
 pub fn backward_with<R: Runtime>(
     client: &ComputeClient<R>,
     problem: &AttentionProblem,
@@ -223,6 +253,25 @@ pub fn backward_with<R: Runtime>(
     let k_arg = || b.k.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim);
     let v_arg = || b.v.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim);
     let do_arg = || b.dout.arg(p.batch, p.heads, p.seq_q, p.head_dim);
+    // The fused dQ's f32 accumulator, dense `[batch, heads, seq_q, d]`.
+    let dq_len = rows * p.head_dim;
+    let dq_vecs = dq_len / VEC;
+    let dq_acc = if config.fused_dq {
+        let acc = client.empty((dq_len * 4).max(16));
+        unsafe {
+            dq_sum::zero_dq_kernel::launch_unchecked::<R>(
+                client,
+                launch::cube_count(client, dq_vecs.div_ceil(256))?,
+                CubeDim::new_1d(256),
+                VEC,
+                flat_arg(&acc, dq_len),
+                dq_vecs,
+            );
+        }
+        acc
+    } else {
+        client.empty(16)
+    };
     backward_delta(client, problem, buffers)?;
     unsafe {
         let k_blocks = p.seq_k.div_ceil(config.rows());
@@ -240,6 +289,7 @@ pub fn backward_with<R: Runtime>(
             flat_arg(&lengths, p.batch),
             b.dk.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
             b.dv.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
+            flat_arg(&dq_acc, if config.fused_dq { dq_len } else { 4 }),
             seq_strides(&layouts, VEC),
             p.batch,
             p.heads,
@@ -250,8 +300,30 @@ pub fn backward_with<R: Runtime>(
             p.window.unwrap_or(0),
             p.scale,
             t,
+            config.fused_dq,
             p.dtype.storage(),
         );
+        if config.fused_dq {
+            let [s_b, s_h, s_q] = b.dq.strides.map(|s| s / VEC);
+            dq_sum::round_dq_kernel::launch_unchecked::<R>(
+                client,
+                launch::cube_count(client, dq_vecs.div_ceil(256))?,
+                CubeDim::new_1d(256),
+                VEC,
+                flat_arg(&dq_acc, dq_len),
+                b.dq.arg(p.batch, p.heads, p.seq_q, p.head_dim),
+                s_b,
+                s_h,
+                s_q,
+                p.heads,
+                p.seq_q,
+                dq_vecs,
+                p.scale,
+                p.head_dim / VEC,
+                p.dtype.storage(),
+            );
+            return Ok(());
+        }
         let q_blocks = p.seq_q.div_ceil(config.rows());
         let t = AttnTile {
             cols: 2 * t.cols,
@@ -294,14 +366,37 @@ pub fn candidates<R: Runtime>(
     problem: &AttentionProblem,
     backward: bool,
 ) -> Vec<MmaLaunch> {
-    let shapes: &[(u32, u32)] = if backward {
-        &[(4, 32), (4, 16), (8, 32), (8, 16), (2, 32)]
+    let shapes: &[(u32, u32, bool)] = if backward {
+        // Each shape with and without the fused dQ, side by side, so a
+        // rotation through the list exercises both forms.
+        &[
+            (8, 32, true),
+            (8, 32, false),
+            (4, 32, true),
+            (4, 32, false),
+            (8, 16, true),
+            (8, 16, false),
+            (4, 16, true),
+            (4, 16, false),
+            (2, 32, false),
+        ]
     } else {
-        &[(4, 64), (4, 32), (8, 64), (8, 32), (12, 64), (8, 128)]
+        &[
+            (4, 64, false),
+            (4, 32, false),
+            (8, 64, false),
+            (8, 32, false),
+            (12, 64, false),
+            (8, 128, false),
+        ]
     };
     shapes
         .iter()
-        .map(|&(planes, cols)| MmaLaunch { planes, cols })
+        .map(|&(planes, cols, fused_dq)| MmaLaunch {
+            planes,
+            cols,
+            fused_dq,
+        })
         .filter(|c| c.check(client, problem, backward).is_ok())
         .collect()
 }
