@@ -129,20 +129,7 @@ fn check<R: Runtime>(
     let (out_ref, lse_ref) = reference::forward(&spec, &q, &k, &v);
     let grads_ref = reference::backward(&spec, &q, &k, &v, &dout);
 
-    let problem = AttentionProblem {
-        batch: c.batch,
-        heads: c.heads,
-        kv_heads: c.kv_heads,
-        seq_q: c.seq_q,
-        seq_k: c.seq_k,
-        head_dim: c.head_dim,
-        scale: scale as f32,
-        causal: c.causal,
-        window: c.window,
-        sinks: c.sinks,
-        key_lengths: c.key_lengths.is_some(),
-        dtype,
-    };
+    let problem = problem_of(c, dtype);
     let rows = problem.query_rows();
     let sinks_h = c.sinks.then(|| upload(client, FloatDtype::F32, &sinks));
     let lengths_h = c.key_lengths.as_ref().map(|l| {
@@ -251,22 +238,8 @@ impl RuntimeTest for EveryCandidate {
         for dtype in supported_dtypes(&client, dtypes) {
             let mut case = Case::new(2, 4, 2, 37, 64);
             case.sinks = true;
-            let problem = |c: &Case| AttentionProblem {
-                batch: c.batch,
-                heads: c.heads,
-                kv_heads: c.kv_heads,
-                seq_q: c.seq_q,
-                seq_k: c.seq_k,
-                head_dim: c.head_dim,
-                scale: 0.125,
-                causal: c.causal,
-                window: c.window,
-                sinks: c.sinks,
-                key_lengths: false,
-                dtype,
-            };
-            let fwd = attention::candidates(&client, &problem(&case), false);
-            let bwd = attention::candidates(&client, &problem(&case), true);
+            let fwd = attention::candidates(&client, &problem_of(&case, dtype), false);
+            let bwd = attention::candidates(&client, &problem_of(&case, dtype), true);
             assert!(
                 fwd.len() >= 4 && bwd.len() >= 2,
                 "{runtime}: {fwd:?} {bwd:?}"
@@ -340,22 +313,8 @@ impl RuntimeTest for Options {
         let cases = option_cases();
         for dtype in supported_dtypes(&client, dtypes) {
             for (i, case) in cases.iter().enumerate() {
-                let problem = AttentionProblem {
-                    batch: case.batch,
-                    heads: case.heads,
-                    kv_heads: case.kv_heads,
-                    seq_q: case.seq_q,
-                    seq_k: case.seq_k,
-                    head_dim: case.head_dim,
-                    scale: 1.0,
-                    causal: case.causal,
-                    window: case.window,
-                    sinks: case.sinks,
-                    key_lengths: case.key_lengths.is_some(),
-                    dtype,
-                };
                 // Rotate through the launch candidates of the problem.
-                let list = attention::candidates(&client, &problem, true);
+                let list = attention::candidates(&client, &problem_of(case, dtype), true);
                 check(
                     &client,
                     device,
@@ -458,6 +417,8 @@ fn attention_rejects_bad_problems() {
     for_each_runtime(&Rejects);
 }
 
+/// The kernels' problem for a case: its shape and options in `dtype`, the
+/// score scale `1/√d` the reference uses.
 fn problem_of(c: &Case, dtype: FloatDtype) -> AttentionProblem {
     AttentionProblem {
         batch: c.batch,
@@ -466,7 +427,7 @@ fn problem_of(c: &Case, dtype: FloatDtype) -> AttentionProblem {
         seq_q: c.seq_q,
         seq_k: c.seq_k,
         head_dim: c.head_dim,
-        scale: 1.0 / (c.head_dim as f32).sqrt(),
+        scale: (1.0 / (c.head_dim as f64).sqrt()) as f32,
         causal: c.causal,
         window: c.window,
         sinks: c.sinks,

@@ -15,9 +15,8 @@
 use cubecl::prelude::*;
 
 use super::forward::query_block_keys;
-use crate::reduce::lane_sum;
-
 use super::tile::{AttnTile, accumulate, allowed, cube_coords, key_count, load_block, row_scores};
+use crate::reduce::lane_sum;
 
 /// `Δ = rowsum(o ⊙ dO)` (and each row's share of the sink gradient), one
 /// unit per query row reading `N`-element vectors: a row's `d/N` loads hit

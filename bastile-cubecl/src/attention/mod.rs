@@ -142,6 +142,20 @@ impl HeadLayout {
     }
 }
 
+impl HeadLayout {
+    /// Whether every row starts on a vector of `v` elements of `size`
+    /// bytes: strides that are whole vectors and a buffer offset on a
+    /// vector boundary.
+    fn splits_into(&self, v: usize, size: usize) -> bool {
+        self.strides.iter().all(|s| s.is_multiple_of(v))
+            && self
+                .handle
+                .offset_start
+                .unwrap_or(0)
+                .is_multiple_of((v * size) as u64)
+    }
+}
+
 fn flat_arg<R: Runtime>(handle: &Handle, len: usize) -> TensorArg<R> {
     unsafe { TensorArg::from_raw_parts(handle.clone(), [1].into(), [len].into()) }
 }
@@ -447,13 +461,7 @@ fn launch_delta<R: Runtime>(
             v > 0
                 && v * size <= 16
                 && p.head_dim.is_multiple_of(v)
-                && [&b.out, &b.dout].iter().all(|l| {
-                    l.strides.iter().all(|s| s.is_multiple_of(v))
-                        && l.handle
-                            .offset_start
-                            .unwrap_or(0)
-                            .is_multiple_of((v * size) as u64)
-                })
+                && [&b.out, &b.dout].iter().all(|l| l.splits_into(v, size))
         })
         .max()
         .unwrap_or(1);

@@ -159,17 +159,16 @@ pub fn usable<R: Runtime>(client: &ComputeClient<R>, problem: &AttentionProblem)
 /// 16-byte loads need every stride a whole number of vectors and every
 /// buffer starting on a 16-byte boundary.
 fn vector_layout(layouts: &[&HeadLayout]) -> Result<(), KernelError> {
-    for l in layouts {
-        let offset = l.handle.offset_start.unwrap_or(0);
-        if l.strides.iter().any(|s| !s.is_multiple_of(VEC)) || !offset.is_multiple_of(16) {
-            return Err(KernelError::Unsupported(format!(
-                "the tensor-core attention reads 16-byte vectors: strides {:?} at byte \
-                 offset {offset} do not allow them",
-                l.strides
-            )));
-        }
+    // f16/bf16: vectors of `VEC` two-byte elements.
+    match layouts.iter().find(|l| !l.splits_into(VEC, 2)) {
+        Some(l) => Err(KernelError::Unsupported(format!(
+            "the tensor-core attention reads 16-byte vectors: strides {:?} at byte offset {} \
+             do not allow them",
+            l.strides,
+            l.handle.offset_start.unwrap_or(0)
+        ))),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 fn ready<R: Runtime>(
@@ -322,38 +321,38 @@ pub fn backward_with<R: Runtime>(
                 p.head_dim / VEC,
                 p.dtype.storage(),
             );
-            return Ok(());
+        } else {
+            let q_blocks = p.seq_q.div_ceil(config.rows());
+            let t = AttnTile {
+                cols: 2 * t.cols,
+                ..t
+            };
+            backward::mma_dq_kernel::launch_unchecked::<R>(
+                client,
+                launch::cube_count(client, p.batch * p.heads * q_blocks)?,
+                CubeDim::new_1d(32 * config.planes),
+                VEC,
+                q_arg(),
+                k_arg(),
+                v_arg(),
+                do_arg(),
+                flat_arg(&b.lse, rows),
+                flat_arg(&b.delta, rows),
+                flat_arg(&lengths, p.batch),
+                b.dq.arg(p.batch, p.heads, p.seq_q, p.head_dim),
+                seq_strides(&layouts, VEC),
+                p.batch,
+                p.heads,
+                p.group(),
+                p.seq_q,
+                p.seq_k,
+                q_blocks,
+                p.window.unwrap_or(0),
+                p.scale,
+                t,
+                p.dtype.storage(),
+            );
         }
-        let q_blocks = p.seq_q.div_ceil(config.rows());
-        let t = AttnTile {
-            cols: 2 * t.cols,
-            ..t
-        };
-        backward::mma_dq_kernel::launch_unchecked::<R>(
-            client,
-            launch::cube_count(client, p.batch * p.heads * q_blocks)?,
-            CubeDim::new_1d(32 * config.planes),
-            VEC,
-            q_arg(),
-            k_arg(),
-            v_arg(),
-            do_arg(),
-            flat_arg(&b.lse, rows),
-            flat_arg(&b.delta, rows),
-            flat_arg(&lengths, p.batch),
-            b.dq.arg(p.batch, p.heads, p.seq_q, p.head_dim),
-            seq_strides(&layouts, VEC),
-            p.batch,
-            p.heads,
-            p.group(),
-            p.seq_q,
-            p.seq_k,
-            q_blocks,
-            p.window.unwrap_or(0),
-            p.scale,
-            t,
-            p.dtype.storage(),
-        );
     }
     Ok(())
 }
