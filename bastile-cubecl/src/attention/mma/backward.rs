@@ -1,5 +1,6 @@
-//! The tensor-core backward, flash-attention-2 style, in one of two forms
-//! the tuner picks between:
+//! The tensor-core backward, flash-attention-2 style, in its separate
+//! form (the fused one, which the tuner weighs against it, is in
+//! `fused_backward`):
 //!
 //! * `dkdv`: one cube per (batch, kv head, block of `16·planes` keys), one
 //!   plane per 16 keys. For every query head of the group and every query
@@ -8,14 +9,10 @@
 //!   in registers, then `Pᵀ = exp(scale·Sᵀ − lse)` and
 //!   `dSᵀ = Pᵀ ⊙ (dPᵀ − Δ)`, and accumulates `dV += Pᵀ·dO`,
 //!   `dK += dSᵀ·Q` with the probabilities as the A operand.
-//! * Deterministic: a separate `dq` kernel, one cube per (batch, query
-//!   head, block of `16·planes` queries), forms `S`, `dP`, `dS` again for
-//!   each key block its rows see and accumulates `dQ += dS·K`: seven
-//!   products per block pair, every output owned by one cube.
-//! * Fused: the `dkdv` kernel also stages `dS` in shared memory and adds
-//!   `dS·K` into an f32 dQ accumulator with atomics (five products per
-//!   block pair; the order of the additions, so the last bits of dQ, vary
-//!   from run to run), which `dq_sum` zeroes beforehand and rounds after.
+//! * `dq`: one cube per (batch, query head, block of `16·planes` queries)
+//!   forms `S`, `dP`, `dS` again for each key block its rows see and
+//!   accumulates `dQ += dS·K`: seven products per block pair in all,
+//!   every output owned by one cube, so the result is deterministic.
 //!
 //! `Δ` and the sink gradient come from the tiled path's row kernel.
 
@@ -27,20 +24,18 @@ use super::super::forward::query_block_keys;
 use super::super::tile::{AttnTile, allowed, key_count};
 use super::forward::copy_block;
 use super::fragment::{
-    Frag, Pair, Tile, acc_to_a, copy_tile, half, load_a, load_b_cols, load_b_rows, load_tile, mma,
-    stage_rows, store_rows, zero_accs,
+    Frag, Pair, Tile, acc_to_a, copy_tile, half, load_b_cols, load_tile, mma, products, stage_accs,
+    store_rows, zero_accs,
 };
-use super::{block_full, mma_cube_coords};
+use super::{block_full, mma_cube_coords, mma_units};
 
 /// `lse` of a query row that does not exist: its probabilities are
 /// exp(−huge) = 0.
-const NO_ROW: f32 = 3.0e38;
+pub(crate) const NO_ROW: f32 = 3.0e38;
 
 /// One f32 of the per-row statistics, typed as a one-element vector so a
 /// staged block of them can be read in pairs.
-type Stat = Vector<f32, Const<1>>;
-/// Four f32 of a dQ row, what one atomic addition takes.
-type Quad = Vector<f32, Const<4>>;
+pub(crate) type Stat = Vector<f32, Const<1>>;
 
 /// `acc[n] += A · tile` over `n` accumulators of 8 head-dim columns: `A`
 /// is the probabilities or score gradients (accumulators `2kk`, `2kk + 1`
@@ -68,60 +63,37 @@ fn accumulate_rows<F: Float, N: Size>(
     }
 }
 
-/// `n = sn` accumulators of `A · Bᵀ`: rows `row0 .. row0 + 16` of tile `a`
-/// against rows `first .. first + 8·sn` of tile `b` (both row-major over
-/// the head dim).
-#[cube]
-fn products<F: Float, N: Size>(
-    a: &Tile<F, N>,
-    row0: usize,
-    b: &Tile<F, N>,
-    first: usize,
-    #[comptime] sn: usize,
-    #[comptime] ksteps: usize,
-    #[comptime] pitch: usize,
-) -> Sequence<Frag<f32>> {
-    let mut acc = zero_accs(sn);
-    #[unroll]
-    for ks in 0..ksteps {
-        let frag = load_a::<F, N>(a, row0, ks * 16, pitch);
-        #[unroll]
-        for np in 0..comptime![sn / 2] {
-            let pair = load_b_rows::<F, N>(b, first + np * 16, ks * 16, pitch);
-            mma::<F>(&frag, &half::<F>(&pair, 0usize), acc.index_mut(2 * np));
-            mma::<F>(&frag, &half::<F>(&pair, 2usize), acc.index_mut(2 * np + 1));
-        }
-    }
-    acc
-}
-
-/// Starts the copies of query block `q0 ..` of head `h` (queries, output
-/// gradients and their rows' `lse` and `Δ`) into stage `stage` (0 or 1)
-/// of the staged tiles; rows past the sequence get zeros and an `lse`
-/// that makes their probabilities 0.
+/// Starts the copies of block `i` of the cube's sequence of (query head
+/// of the group from `h0`, query block from `qb_first`; `blocks` per
+/// head): its queries, output gradients and their rows' `lse` and `Δ`,
+/// into stage `i % 2` of the staged tiles. Rows past the sequence get
+/// zeros and an `lse` that makes their probabilities 0.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn copy_queries<F: Float, N: Size>(
+pub(crate) fn copy_queries<F: Float, N: Size>(
     q: &Tensor<Vector<F, N>>,
     dout: &Tensor<Vector<F, N>>,
     lse: &Tensor<Stat>,
     delta: &Tensor<Stat>,
     strides: &Sequence<usize>,
     b: usize,
-    h: usize,
+    h0: usize,
     heads: usize,
-    q0: usize,
+    qb_first: usize,
+    blocks: usize,
+    i: usize,
     seq_q: usize,
     smem_q: &mut Tile<F, N>,
     smem_do: &mut Tile<F, N>,
     smem_stat: &mut SharedMemory<Stat>,
-    stage: usize,
     #[comptime] t: AttnTile,
 ) {
     let cols = comptime![t.cols as usize];
     let vecs = comptime![t.head_dim as usize / 8];
-    let units = comptime![t.rows as usize * 2];
-    let row0 = stage * cols;
+    let units = comptime![mma_units(t)];
+    let h = h0 + i / blocks;
+    let q0 = (qb_first + i % blocks) * cols;
+    let row0 = (i % 2) * cols;
     let q_base = b * strides[0usize] + h * strides[1usize];
     let do_base = b * strides[12usize] + h * strides[13usize];
     copy_tile::<F, N>(
@@ -152,86 +124,165 @@ fn copy_queries<F: Float, N: Size>(
     let at = 2 * row0;
     #[unroll]
     for it in 0..comptime![cols.div_ceil(units)] {
-        let i = UNIT_POS as usize + it * units;
-        if i < cols {
-            if q0 + i < seq_q {
+        let j = UNIT_POS as usize + it * units;
+        if j < cols {
+            if q0 + j < seq_q {
                 copy_async(
-                    &lse.slice(stat + i, stat + i + 1),
-                    &mut smem_stat.slice_mut(at + i, at + i + 1),
+                    &lse.slice(stat + j, stat + j + 1),
+                    &mut smem_stat.slice_mut(at + j, at + j + 1),
                     1u32,
                 );
                 copy_async(
-                    &delta.slice(stat + i, stat + i + 1),
-                    &mut smem_stat.slice_mut(at + cols + i, at + cols + i + 1),
+                    &delta.slice(stat + j, stat + j + 1),
+                    &mut smem_stat.slice_mut(at + cols + j, at + cols + j + 1),
                     1u32,
                 );
             } else {
-                smem_stat[at + i] = Stat::new(NO_ROW);
-                smem_stat[at + cols + i] = Stat::new(0.0f32);
+                smem_stat[at + j] = Stat::new(NO_ROW);
+                smem_stat[at + cols + j] = Stat::new(0.0f32);
             }
         }
     }
 }
 
-/// `dQ += dS·K` for one query block, spread over the cube: `dS` (queries
-/// by the cube's keys, in shared memory) times the key tile, each plane
-/// taking 16 queries by 16 head-dim columns at a time and adding them to
-/// the f32 accumulator `dq_acc` (`[batch, heads, seq_q, d]`, in fours).
+/// Loads the cube's keys and values (rows `k0 ..` of kv head `hk`, zeros
+/// past the sequence) into their tiles.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn add_dq<F: Float, N: Size>(
-    smem_ds: &Tile<F, N>,
-    smem_k: &Tile<F, N>,
-    dq_acc: &mut Tensor<Atomic<Quad>>,
-    row_base: usize,
-    q0: usize,
-    seq_q: usize,
+pub(crate) fn load_keys_values<F: Float, N: Size>(
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    strides: &Sequence<usize>,
+    b: usize,
+    hk: usize,
+    k0: usize,
+    seq_k: usize,
+    smem_k: &mut Tile<F, N>,
+    smem_v: &mut Tile<F, N>,
     #[comptime] t: AttnTile,
 ) {
     let rows = comptime![t.rows as usize];
-    let d = comptime![t.head_dim as usize];
-    let pitch = comptime![t.head_dim as usize / 8 + 1];
-    let ds_pitch = comptime![t.rows as usize / 8 + 1];
-    let planes = comptime![t.rows as usize / 16];
-    let mtiles = comptime![t.cols as usize / 16];
-    let items = comptime![t.cols as usize / 16 * (t.head_dim as usize / 16)];
-    let lane = UNIT_POS_PLANE as usize;
-    let plane = UNIT_POS as usize / 32;
+    let vecs = comptime![t.head_dim as usize / 8];
+    let units = comptime![mma_units(t)];
+    let k_base = b * strides[3usize] + hk * strides[4usize];
+    let v_base = b * strides[6usize] + hk * strides[7usize];
+    load_tile::<F, N>(
+        k,
+        k_base,
+        strides[5usize],
+        k0,
+        seq_k,
+        smem_k,
+        rows,
+        vecs,
+        units,
+    );
+    load_tile::<F, N>(
+        v,
+        v_base,
+        strides[8usize],
+        k0,
+        seq_k,
+        smem_v,
+        rows,
+        vecs,
+        units,
+    );
+}
+
+/// Writes the plane's 16 rows (from `row0`) of the staged dK and dV tiles
+/// to rows `k0 + row0 ..` of kv head `hk`, skipping rows past the
+/// sequence.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn store_dk_dv<F: Float, N: Size>(
+    smem_k: &Tile<F, N>,
+    smem_v: &Tile<F, N>,
+    dk: &mut Tensor<Vector<F, N>>,
+    dv: &mut Tensor<Vector<F, N>>,
+    strides: &Sequence<usize>,
+    b: usize,
+    hk: usize,
+    k0: usize,
+    row0: usize,
+    seq_k: usize,
+    #[comptime] t: AttnTile,
+) {
+    let vecs = comptime![t.head_dim as usize / 8];
+    let dk_base = b * strides[18usize] + hk * strides[19usize];
+    let dv_base = b * strides[21usize] + hk * strides[22usize];
+    store_rows::<F, N>(
+        smem_k,
+        row0,
+        dk,
+        dk_base,
+        strides[20usize],
+        k0 + row0,
+        seq_k,
+        vecs,
+    );
+    store_rows::<F, N>(
+        smem_v,
+        row0,
+        dv,
+        dv_base,
+        strides[23usize],
+        k0 + row0,
+        seq_k,
+        vecs,
+    );
+}
+
+/// Turns a plane's `Sᵀ` and `dPᵀ` accumulators (`mt` tiles of 16 keys,
+/// the lane's first row `key_top`, by `8·sn` queries from column `qoff` of
+/// the block at `q_pos`) into `Pᵀ = exp(scale·Sᵀ − lse)` and
+/// `dSᵀ = Pᵀ ⊙ (dPᵀ − Δ)`, zero where the query may not see the key
+/// (checked only when the block is not `full`). The block's statistics
+/// are staged from row `first` of `smem_stat`'s stage: `lse` then `Δ`,
+/// read as the lane's pairs of columns.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn softmax_grads(
+    p: &mut Sequence<Frag<f32>>,
+    ds: &mut Sequence<Frag<f32>>,
+    smem_stat: &SharedMemory<Stat>,
+    first: usize,
+    qoff: usize,
+    q_pos: usize,
+    key_top: usize,
+    full: bool,
+    klen: usize,
+    window: usize,
+    scale: f32,
+    #[comptime] mt: usize,
+    #[comptime] sn: usize,
+    #[comptime] t: AttnTile,
+) {
+    let cols = comptime![t.cols as usize];
+    let col = (UNIT_POS_PLANE as usize % 4) * 2;
+    let stats = smem_stat.to_slice().with_vector_size::<Const<2>>();
     #[unroll]
-    for it in 0..comptime![items.div_ceil(planes)] {
-        let w = plane + it * planes;
-        if w < items {
-            let m = w % mtiles;
-            let c0 = (w / mtiles) * 16;
-            let mut acc = zero_accs(2usize);
+    for nt in 0..sn {
+        let at = (2 * first + qoff + nt * 8 + col) / 2;
+        let neg_lse = Pair::<f32>::new(0.0f32) - stats[at];
+        let dlt = stats[at + cols / 2];
+        #[unroll]
+        for m in 0..mt {
+            let s_acc = p.index_mut(m * sn + nt);
+            let d_acc = ds.index_mut(m * sn + nt);
             #[unroll]
-            for ks in 0..comptime![rows / 16] {
-                let a = load_a::<F, N>(smem_ds, m * 16, ks * 16, ds_pitch);
-                let pair = load_b_cols::<F, N>(smem_k, ks * 16, c0, pitch);
-                mma::<F>(&a, &half::<F>(&pair, 0usize), acc.index_mut(0usize));
-                mma::<F>(&a, &half::<F>(&pair, 2usize), acc.index_mut(1usize));
-            }
-            // Lanes 2u and 2u + 1 trade halves so that each holds four
-            // neighbouring columns of one row (the even lane of row `g`,
-            // the odd of row `g + 8`): one 16-byte atomic each.
-            let odd = lane % 2 == 1;
-            let row = q0 + m * 16 + lane / 4 + select(odd, 8usize, 0usize);
-            let col = c0 + (lane % 4) / 2 * 4;
-            #[unroll]
-            for j in 0..2usize {
-                let a = acc.index(j);
-                let send = select(odd, a[0usize], a[1usize]);
-                let keep = select(odd, a[1usize], a[0usize]);
-                let got0 = plane_shuffle_xor(send[0usize], 1u32);
-                let got1 = plane_shuffle_xor(send[1usize], 1u32);
-                let mut quad = Quad::new(0.0f32);
-                quad[0usize] = select(odd, got0, keep[0usize]);
-                quad[1usize] = select(odd, got1, keep[1usize]);
-                quad[2usize] = select(odd, keep[0usize], got0);
-                quad[3usize] = select(odd, keep[1usize], got1);
-                if row < seq_q {
-                    dq_acc[((row_base + row) * d + col + j * 8) / 4].fetch_add(quad);
+            for r in 0..2usize {
+                let mut x = fma(s_acc[r], Pair::<f32>::new(scale), neg_lse).exp();
+                if !full {
+                    #[unroll]
+                    for e in 0..2usize {
+                        let c = qoff + nt * 8 + col + e;
+                        let key = key_top + m * 16 + r * 8;
+                        x[e] = select(allowed(q_pos + c, key, klen, window, t), x[e], 0.0f32);
+                    }
                 }
+                d_acc[r] = x * (d_acc[r] - dlt);
+                s_acc[r] = x;
             }
         }
     }
@@ -249,7 +300,6 @@ pub(crate) fn mma_dkdv_kernel<F: Float, N: Size>(
     key_lengths: &Tensor<i32>,
     dk: &mut Tensor<Vector<F, N>>,
     dv: &mut Tensor<Vector<F, N>>,
-    dq_acc: &mut Tensor<Atomic<Quad>>,
     strides: Sequence<usize>,
     batch: usize,
     heads: usize,
@@ -260,17 +310,14 @@ pub(crate) fn mma_dkdv_kernel<F: Float, N: Size>(
     window: usize,
     scale: f32,
     #[comptime] t: AttnTile,
-    #[comptime] with_dq: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let rows = comptime![t.rows as usize];
     let cols = comptime![t.cols as usize];
     let vecs = comptime![t.head_dim as usize / 8];
     let pitch = comptime![t.head_dim as usize / 8 + 1];
-    let units = comptime![t.rows as usize * 2];
     let ksteps = comptime![t.head_dim as usize / 16];
     let sn = comptime![t.cols as usize / 8];
-    let ds_pitch = comptime![t.rows as usize / 8 + 1];
     let lane = UNIT_POS_PLANE as usize;
     let plane = UNIT_POS as usize / 32;
     let kv_heads = heads / group;
@@ -293,41 +340,23 @@ pub(crate) fn mma_dkdv_kernel<F: Float, N: Size>(
         let mut smem_do =
             SharedMemory::<Vector<F, N>>::new_aligned(comptime![2 * cols * pitch], 16usize);
         let mut smem_stat = SharedMemory::<Stat>::new_aligned(comptime![4 * cols], 16usize);
-        // dS of the block, queries by keys (only with the fused dQ).
-        let mut smem_ds = SharedMemory::<Vector<F, N>>::new_aligned(
-            comptime![if with_dq { cols * ds_pitch } else { 1 }],
-            16usize,
-        );
         let barrier = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
-        let k_base = b * strides[3usize] + hk * strides[4usize];
-        let v_base = b * strides[6usize] + hk * strides[7usize];
-        load_tile::<F, N>(
+        load_keys_values::<F, N>(
             k,
-            k_base,
-            strides[5usize],
+            v,
+            &strides,
+            b,
+            hk,
             k0,
             seq_k,
             &mut smem_k,
-            rows,
-            vecs,
-            units,
-        );
-        load_tile::<F, N>(
-            v,
-            v_base,
-            strides[8usize],
-            k0,
-            seq_k,
             &mut smem_v,
-            rows,
-            vecs,
-            units,
+            t,
         );
 
         let row0 = plane * 16;
         let key_top = k0 + row0 + lane / 4;
-        let col = (lane % 4) * 2;
         let mut acc_k = zero_accs(vecs);
         let mut acc_v = zero_accs(vecs);
 
@@ -344,12 +373,13 @@ pub(crate) fn mma_dkdv_kernel<F: Float, N: Size>(
                 b,
                 hk * group,
                 heads,
-                qb_first * cols,
+                qb_first,
+                blocks,
+                0usize,
                 seq_q,
                 &mut smem_q,
                 &mut smem_do,
                 &mut smem_stat,
-                0usize,
                 t,
             );
         }
@@ -357,7 +387,6 @@ pub(crate) fn mma_dkdv_kernel<F: Float, N: Size>(
             barrier.commit_copy_async();
             barrier.arrive_and_wait();
             // Every unit is past the previous block: its stage is free.
-            let stage = i % 2;
             if i + 1 < total {
                 copy_queries::<F, N>(
                     q,
@@ -366,134 +395,73 @@ pub(crate) fn mma_dkdv_kernel<F: Float, N: Size>(
                     delta,
                     &strides,
                     b,
-                    hk * group + (i + 1) / blocks,
+                    hk * group,
                     heads,
-                    (qb_first + (i + 1) % blocks) * cols,
+                    qb_first,
+                    blocks,
+                    i + 1,
                     seq_q,
                     &mut smem_q,
                     &mut smem_do,
                     &mut smem_stat,
-                    1 - stage,
                     t,
                 );
             }
-            let h = hk * group + i / blocks;
             let q0 = (qb_first + i % blocks) * cols;
-            let first = stage * cols;
-            let st = 2 * first;
+            let first = (i % 2) * cols;
 
-            let mut p = products::<F, N>(&smem_k, row0, &smem_q, first, sn, ksteps, pitch);
-            let mut ds = products::<F, N>(&smem_v, row0, &smem_do, first, sn, ksteps, pitch);
+            let mut p = products::<F, N>(&smem_k, row0, &smem_q, first, 1usize, sn, ksteps, pitch);
+            let mut ds =
+                products::<F, N>(&smem_v, row0, &smem_do, first, 1usize, sn, ksteps, pitch);
             let q_last = select(q0 + cols < seq_q, q0 + cols, seq_q) - 1;
             let full = block_full(q0 + offset, q_last + offset, k0, k_last, klen, window, t);
-            // The lane's columns are pairs: one 8-byte load of `lse` and
-            // one of `Δ` per accumulator.
-            let stats = smem_stat.to_slice().with_vector_size::<Const<2>>();
-            #[unroll]
-            for nt in 0..sn {
-                let s_acc = p.index_mut(nt);
-                let d_acc = ds.index_mut(nt);
-                let at = (st + nt * 8 + col) / 2;
-                let neg_lse = Pair::<f32>::new(0.0f32) - stats[at];
-                let dlt = stats[at + cols / 2];
-                #[unroll]
-                for r in 0..2usize {
-                    let mut x = fma(s_acc[r], Pair::<f32>::new(scale), neg_lse).exp();
-                    if !full {
-                        #[unroll]
-                        for e in 0..2usize {
-                            let c = nt * 8 + col + e;
-                            let ok = allowed(q0 + c + offset, key_top + r * 8, klen, window, t);
-                            x[e] = select(ok, x[e], 0.0f32);
-                        }
-                    }
-                    d_acc[r] = x * (d_acc[r] - dlt);
-                    s_acc[r] = x;
-                }
-            }
-            if comptime![with_dq] {
-                stage_ds::<F, N>(&ds, &mut smem_ds, row0, key_top, seq_k, t);
-            }
+            softmax_grads(
+                &mut p,
+                &mut ds,
+                &smem_stat,
+                first,
+                0usize,
+                q0 + offset,
+                key_top,
+                full,
+                klen,
+                window,
+                scale,
+                1usize,
+                sn,
+                t,
+            );
             accumulate_rows::<F, N>(&mut acc_v, &p, &smem_do, first, sn, vecs, pitch);
             accumulate_rows::<F, N>(&mut acc_k, &ds, &smem_q, first, sn, vecs, pitch);
-            if comptime![with_dq] {
-                sync_cube();
-                add_dq::<F, N>(
-                    &smem_ds,
-                    &smem_k,
-                    dq_acc,
-                    (b * heads + h) * seq_q,
-                    q0,
-                    seq_q,
-                    t,
-                );
-            }
         }
 
-        // The plane's own rows of the key and value tiles take its results
-        // (once every plane is done reading the key tile for dQ).
-        if comptime![with_dq] {
-            sync_cube();
-        }
-        stage_rows::<F, N>(&acc_k, &mut smem_k, row0, scale, scale, vecs);
-        stage_rows::<F, N>(&acc_v, &mut smem_v, row0, 1.0f32, 1.0f32, vecs);
+        // The plane's own rows of the key and value tiles take its results.
+        stage_accs::<F, N>(
+            &acc_k,
+            &mut smem_k,
+            row0,
+            0usize,
+            scale,
+            scale,
+            0usize,
+            vecs,
+            pitch,
+        );
+        stage_accs::<F, N>(
+            &acc_v,
+            &mut smem_v,
+            row0,
+            0usize,
+            1.0f32,
+            1.0f32,
+            0usize,
+            vecs,
+            pitch,
+        );
         sync_plane();
-        store_rows::<F, N>(
-            &smem_k,
-            row0,
-            dk,
-            b * strides[18usize] + hk * strides[19usize],
-            strides[20usize],
-            k0 + row0,
-            seq_k,
-            vecs,
+        store_dk_dv::<F, N>(
+            &smem_k, &smem_v, dk, dv, &strides, b, hk, k0, row0, seq_k, t,
         );
-        store_rows::<F, N>(
-            &smem_v,
-            row0,
-            dv,
-            b * strides[21usize] + hk * strides[22usize],
-            strides[23usize],
-            k0 + row0,
-            seq_k,
-            vecs,
-        );
-    }
-}
-
-/// Writes a plane's `dSᵀ` accumulators (its 16 keys by the block's
-/// queries) into the `dS` tile, queries by keys, rounded to the input
-/// dtype; keys past the sequence (zero rows of the key tile) write 0 so
-/// no overflowed probability of a missing key reaches dQ.
-#[cube]
-fn stage_ds<F: Float, N: Size>(
-    ds: &Sequence<Frag<f32>>,
-    tile: &mut Tile<F, N>,
-    row0: usize,
-    key_top: usize,
-    seq_k: usize,
-    #[comptime] t: AttnTile,
-) {
-    let sn = comptime![t.cols as usize / 8];
-    let ds_pitch = comptime![(t.rows as usize / 8 + 1) * 8];
-    let lane = UNIT_POS_PLANE as usize;
-    let col = (lane % 4) * 2;
-    let mut scalars = tile.to_slice_mut().with_vector_size::<Const<1>>();
-    #[unroll]
-    for nt in 0..sn {
-        let acc = ds.index(nt);
-        #[unroll]
-        for r in 0..2usize {
-            let key = row0 + lane / 4 + r * 8;
-            let keep = key_top + r * 8 < seq_k;
-            let pair = acc[r];
-            #[unroll]
-            for e in 0..2usize {
-                let query = nt * 8 + col + e;
-                let x = select(keep, pair[e], 0.0f32);
-                scalars[query * ds_pitch + key] = Vector::<F, Const<1>>::new(F::cast_from(x));
-            }
-        }
     }
 }
 
@@ -524,7 +492,7 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
     let cols = comptime![t.cols as usize];
     let vecs = comptime![t.head_dim as usize / 8];
     let pitch = comptime![t.head_dim as usize / 8 + 1];
-    let units = comptime![t.rows as usize * 2];
+    let units = comptime![mma_units(t)];
     let ksteps = comptime![t.head_dim as usize / 16];
     let sn = comptime![t.cols as usize / 8];
     let lane = UNIT_POS_PLANE as usize;
@@ -628,8 +596,9 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
                 );
             }
 
-            let s = products::<F, N>(&smem_q, row0, &smem_k, stage, sn, ksteps, pitch);
-            let mut ds = products::<F, N>(&smem_do, row0, &smem_v, stage, sn, ksteps, pitch);
+            let s = products::<F, N>(&smem_q, row0, &smem_k, stage, 1usize, sn, ksteps, pitch);
+            let mut ds =
+                products::<F, N>(&smem_do, row0, &smem_v, stage, 1usize, sn, ksteps, pitch);
             let k_last = k0 + cols - 1;
             let full = block_full(q0 + offset, q_last + offset, k0, k_last, klen, window, t);
             #[unroll]
@@ -656,7 +625,17 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
             accumulate_rows::<F, N>(&mut acc, &ds, &smem_k, stage, sn, vecs, pitch);
         }
 
-        stage_rows::<F, N>(&acc, &mut smem_q, row0, scale, scale, vecs);
+        stage_accs::<F, N>(
+            &acc,
+            &mut smem_q,
+            row0,
+            0usize,
+            scale,
+            scale,
+            0usize,
+            vecs,
+            pitch,
+        );
         sync_plane();
         store_rows::<F, N>(
             &smem_q,

@@ -13,9 +13,9 @@ use super::super::forward::query_block_keys;
 use super::super::tile::{AttnTile, MASKED, MASKED_BELOW, allowed, key_count};
 use super::fragment::{
     Frag, Pair, acc_to_a, copy_tile, half, load_a, load_b_cols, load_b_rows, load_tile, mma,
-    quad_max, quad_sum, stage_rows, store_rows, zero_accs,
+    quad_max, quad_sum, stage_accs, store_rows, zero_accs,
 };
-use super::{block_full, mma_cube_coords};
+use super::{block_full, mma_cube_coords, mma_units};
 
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(clippy::too_many_arguments)]
@@ -43,7 +43,7 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
     let cols = comptime![t.cols as usize];
     let vecs = comptime![t.head_dim as usize / 8];
     let pitch = comptime![t.head_dim as usize / 8 + 1];
-    let units = comptime![t.rows as usize * 2];
+    let units = comptime![mma_units(t)];
     let ksteps = comptime![t.head_dim as usize / 16];
     let sn = comptime![t.cols as usize / 8];
     let lane = UNIT_POS_PLANE as usize;
@@ -245,7 +245,17 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
         let inv_top = select(l_top > 0.0f32, 1.0f32 / l_top, 0.0f32);
         let inv_bot = select(l_bot > 0.0f32, 1.0f32 / l_bot, 0.0f32);
         // The plane's own rows of the query tile hold its output now.
-        stage_rows::<F, N>(&o, &mut smem_q, row0, inv_top, inv_bot, vecs);
+        stage_accs::<F, N>(
+            &o,
+            &mut smem_q,
+            row0,
+            0usize,
+            inv_top,
+            inv_bot,
+            0usize,
+            vecs,
+            pitch,
+        );
         sync_plane();
         store_rows::<F, N>(
             &smem_q,
@@ -288,7 +298,7 @@ pub(crate) fn copy_block<F: Float, N: Size>(
 ) {
     let cols = comptime![t.cols as usize];
     let vecs = comptime![t.head_dim as usize / 8];
-    let units = comptime![t.rows as usize * 2];
+    let units = comptime![mma_units(t)];
     copy_tile::<F, N>(
         k,
         k_base,

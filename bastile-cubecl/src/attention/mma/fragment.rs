@@ -100,6 +100,23 @@ pub(crate) fn load_a<F: Float, N: Size>(
     ldmatrix_x4::<F, N>(tile, idx, false)
 }
 
+/// The A fragment of rows `row0 .. row0 + 16`, columns `col0 .. col0 + 16`
+/// of a matrix stored transposed (tile row `c` holds column `c`; `row0` a
+/// multiple of 8), as `dS` read from a `dSᵀ` tile.
+#[cube]
+pub(crate) fn load_a_trans<F: Float, N: Size>(
+    tile: &Tile<F, N>,
+    row0: usize,
+    col0: usize,
+    #[comptime] pitch: usize,
+) -> Frag<F> {
+    let lane = UNIT_POS_PLANE as usize;
+    // Matrix `j = lane / 8` covers rows `8·(j % 2)` and columns `8·(j / 2)`
+    // of the fragment: tile rows `col0 + 8·(j / 2) ..`, one vector each.
+    let idx = (col0 + (lane / 16) * 8 + lane % 8) * pitch + row0 / 8 + (lane / 8) % 2;
+    ldmatrix_x4::<F, N>(tile, idx, true)
+}
+
 /// Two B fragments (registers 0-1 and 2-3) from a tile whose rows are the
 /// product's columns (`Xᵀ` of a row-major `X`, as `K` in `Q·Kᵀ`): the
 /// reduction runs over columns `col0 .. col0 + 16`, the two fragments over
@@ -130,6 +147,135 @@ pub(crate) fn load_b_cols<F: Float, N: Size>(
     let lane = UNIT_POS_PLANE as usize;
     let idx = (row0 + ((lane / 8) % 2) * 8 + lane % 8) * pitch + col0 / 8 + lane / 16;
     ldmatrix_x4::<F, N>(tile, idx, true)
+}
+
+/// `mt·sn` accumulators of `A·Bᵀ` (accumulator `m·sn + n`): rows
+/// `row0 + 16·m ..` of tile `a` against rows `first .. first + 8·sn` of
+/// tile `b`, both row-major over the `16·ksteps` reduction columns. Every
+/// B fragment feeds all `mt` row tiles, so shared-memory reads per product
+/// fall as `mt` grows.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn products<F: Float, N: Size>(
+    a: &Tile<F, N>,
+    row0: usize,
+    b: &Tile<F, N>,
+    first: usize,
+    #[comptime] mt: usize,
+    #[comptime] sn: usize,
+    #[comptime] ksteps: usize,
+    #[comptime] pitch: usize,
+) -> Sequence<Frag<f32>> {
+    let mut acc = zero_accs(mt * sn);
+    #[unroll]
+    for ks in 0..ksteps {
+        let mut frags = Sequence::<Frag<F>>::new();
+        #[unroll]
+        for m in 0..mt {
+            frags.push(load_a::<F, N>(a, row0 + m * 16, ks * 16, pitch));
+        }
+        #[unroll]
+        for np in 0..comptime![sn / 2] {
+            let pair = load_b_rows::<F, N>(b, first + np * 16, ks * 16, pitch);
+            #[unroll]
+            for m in 0..mt {
+                let frag = frags.index(m);
+                mma::<F>(
+                    frag,
+                    &half::<F>(&pair, 0usize),
+                    acc.index_mut(m * sn + 2 * np),
+                );
+                mma::<F>(
+                    frag,
+                    &half::<F>(&pair, 2usize),
+                    acc.index_mut(m * sn + 2 * np + 1),
+                );
+            }
+        }
+    }
+    acc
+}
+
+/// `acc[m·n + j] += A·B` over `16·ksteps` reduction steps: A is rows
+/// `row0 + 16·m ..` of tile `a` (pitch `a_pitch`), or with `trans_a` of
+/// the matrix tile `a` holds transposed; B is rows `first ..` of the
+/// row-major tile `b`, columns `col0 .. col0 + 8·n`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn accumulate_tiles<F: Float, N: Size>(
+    acc: &mut Sequence<Frag<f32>>,
+    a: &Tile<F, N>,
+    row0: usize,
+    b: &Tile<F, N>,
+    first: usize,
+    col0: usize,
+    #[comptime] trans_a: bool,
+    #[comptime] a_pitch: usize,
+    #[comptime] pitch: usize,
+    #[comptime] mt: usize,
+    #[comptime] n: usize,
+    #[comptime] ksteps: usize,
+) {
+    #[unroll]
+    for ks in 0..ksteps {
+        let mut frags = Sequence::<Frag<F>>::new();
+        #[unroll]
+        for m in 0..mt {
+            if comptime![trans_a] {
+                frags.push(load_a_trans::<F, N>(a, row0 + m * 16, ks * 16, a_pitch));
+            } else {
+                frags.push(load_a::<F, N>(a, row0 + m * 16, ks * 16, a_pitch));
+            }
+        }
+        #[unroll]
+        for dp in 0..comptime![n / 2] {
+            let pair = load_b_cols::<F, N>(b, first + ks * 16, col0 + dp * 16, pitch);
+            #[unroll]
+            for m in 0..mt {
+                let frag = frags.index(m);
+                mma::<F>(
+                    frag,
+                    &half::<F>(&pair, 0usize),
+                    acc.index_mut(m * n + 2 * dp),
+                );
+                mma::<F>(
+                    frag,
+                    &half::<F>(&pair, 2usize),
+                    acc.index_mut(m * n + 2 * dp + 1),
+                );
+            }
+        }
+    }
+}
+
+/// Writes accumulators `first .. first + n` (16 rows from `row0`, side by
+/// side from column `col0`, a multiple of 8) into a padded tile of `pitch`
+/// vectors per row, the top 8 rows times `scale_top`, the bottom 8 times
+/// `scale_bottom`, rounded to the input dtype.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn stage_accs<F: Float, N: Size>(
+    accs: &Sequence<Frag<f32>>,
+    tile: &mut Tile<F, N>,
+    row0: usize,
+    col0: usize,
+    scale_top: f32,
+    scale_bottom: f32,
+    #[comptime] first: usize,
+    #[comptime] n: usize,
+    #[comptime] pitch: usize,
+) {
+    let lane = UNIT_POS_PLANE as usize;
+    let pitch2 = comptime![pitch * 4];
+    let mut pairs = tile.to_slice_mut().with_vector_size::<Const<2>>();
+    let top = (row0 + lane / 4) * pitch2 + col0 / 2 + lane % 4;
+    #[unroll]
+    for j in 0..n {
+        let acc = accs.index(first + j);
+        pairs[top + j * 4] = Pair::<F>::cast_from(acc[0usize] * Pair::<f32>::new(scale_top));
+        pairs[top + 8 * pitch2 + j * 4] =
+            Pair::<F>::cast_from(acc[1usize] * Pair::<f32>::new(scale_bottom));
+    }
 }
 
 /// The A fragment made of accumulators `2·kk` and `2·kk + 1` (16 rows, 16
@@ -190,31 +336,6 @@ pub(crate) fn load_tile<F: Float, N: Size>(
             }
             tile[r * pitch + c] = value;
         }
-    }
-}
-
-/// Writes accumulators holding rows `row0 .. row0 + 16` (all `d/8` column
-/// tiles) into rows of a padded tile, rounded to the input dtype; the same
-/// plane reads them back with [`store_rows`].
-#[cube]
-pub(crate) fn stage_rows<F: Float, N: Size>(
-    accs: &Sequence<Frag<f32>>,
-    tile: &mut Tile<F, N>,
-    row0: usize,
-    scale_top: f32,
-    scale_bottom: f32,
-    #[comptime] vecs: usize,
-) {
-    let lane = UNIT_POS_PLANE as usize;
-    let pitch2 = comptime![(vecs + 1) * 4];
-    let mut pairs = tile.to_slice_mut().with_vector_size::<Const<2>>();
-    let top = (row0 + lane / 4) * pitch2 + lane % 4;
-    #[unroll]
-    for nt in 0..comptime![vecs] {
-        let acc = accs.index(nt);
-        pairs[top + nt * 4] = Pair::<F>::cast_from(acc[0usize] * Pair::<f32>::new(scale_top));
-        pairs[top + 8 * pitch2 + nt * 4] =
-            Pair::<F>::cast_from(acc[1usize] * Pair::<f32>::new(scale_bottom));
     }
 }
 

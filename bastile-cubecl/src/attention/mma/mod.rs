@@ -16,6 +16,7 @@ mod backward;
 mod dq_sum;
 mod forward;
 mod fragment;
+mod fused_backward;
 
 use cubecl::ir::features::AtomicUsage;
 use cubecl::ir::{ElemType, FloatKind, StorageType, Type};
@@ -40,10 +41,11 @@ const VEC: usize = 8;
 pub struct MmaLaunch {
     pub planes: u32,
     pub cols: u32,
-    /// Backward only: dQ added into an f32 accumulator by the dK/dV kernel
-    /// with atomics (five products per block pair, the last bits of dQ
-    /// varying from run to run) instead of recomputed by its own kernel
-    /// (seven, deterministic).
+    /// Backward only: one fused kernel forms dK, dV and dQ (the last added
+    /// into an f32 accumulator with atomics: five products per block pair,
+    /// the last bits of dQ varying from run to run), its planes in tiles of
+    /// 32 rows, instead of the dK/dV kernel followed by the dQ kernel
+    /// (seven products, deterministic).
     pub fused_dq: bool,
 }
 
@@ -56,6 +58,7 @@ impl MmaLaunch {
         AttnTile {
             rows: self.rows() as u32,
             cols: self.cols,
+            // Units per 16 rows of the tile: one plane.
             upr: 32,
             head_dim: problem.head_dim as u32,
             pitch: (problem.head_dim / VEC + 1) as u32,
@@ -73,10 +76,11 @@ impl MmaLaunch {
         let (rows, cols) = (self.rows(), self.cols as usize);
         if backward {
             // Keys and values, two stages of queries and output gradients
-            // with their statistics, and with the fused dQ its `dS` tile.
+            // with their statistics, and in the fused kernel the `Pᵀ` and
+            // `dSᵀ` tiles.
             let dkdv = 2 * (rows + 2 * cols) * row + 4 * cols * 4;
             if self.fused_dq {
-                dkdv + cols * (rows / VEC + 1) * 16
+                dkdv + 2 * rows * (cols / VEC + 1) * 16
             } else {
                 // The dQ kernel: two stages of `2·cols` keys and values.
                 dkdv.max((2 * rows + 8 * cols) * row)
@@ -98,11 +102,8 @@ impl MmaLaunch {
                 "{self:?}: blocks must be whole 16-row fragments"
             )));
         }
-        if self.fused_dq && !(backward && atomic_quads(client)) {
-            return Err(KernelError::Unsupported(format!(
-                "{self:?}: the fused dQ is a backward form and needs atomic additions of four \
-                 f32"
-            )));
+        if self.fused_dq {
+            self.check_fused(client, problem, backward)?;
         }
         launch::check_cube_fits(
             client,
@@ -110,6 +111,36 @@ impl MmaLaunch {
             self.shared_bytes(problem, backward),
         )?;
         Ok(self.tile(problem))
+    }
+
+    /// The fused backward's tiling: planes in pairs over 32-key tiles,
+    /// query blocks of whole 32-query dQ tiles, and a head dim that splits
+    /// in halves (dK/dV) and across the dQ planes in 16 columns; its
+    /// two 32-by-`d/2` accumulators per plane fit the registers up to a
+    /// head dim of 128. It adds into dQ four f32 at a time.
+    fn check_fused<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        problem: &AttentionProblem,
+        backward: bool,
+    ) -> Result<(), KernelError> {
+        let (planes, cols, d) = (self.planes as usize, self.cols as usize, problem.head_dim);
+        let dq_rows = fused_backward::dq_query_planes(cols);
+        let tiles = planes.is_multiple_of(2)
+            && cols.is_multiple_of(32)
+            && dq_rows <= planes
+            && planes.is_multiple_of(dq_rows)
+            && d <= 128
+            && d.is_multiple_of(32)
+            && d.is_multiple_of(16 * (planes / dq_rows));
+        if !backward || !atomic_quads(client) || !tiles {
+            return Err(KernelError::Unsupported(format!(
+                "{self:?}: the fused backward needs atomic additions of four f32, an even \
+                 number of planes, query blocks of whole 32-row tiles and a head dim (here {d}) \
+                 of at most 128 that its planes split in 16-column slices"
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -229,12 +260,13 @@ pub fn forward_with<R: Runtime>(
     Ok(())
 }
 
-/// Launches the backward with one explicit configuration: `Δ`, then the
-/// dK/dV kernel, which owns `16·planes` keys and streams `cols` queries;
-/// then either the dQ kernel, which owns `16·planes` queries and streams
+/// Launches the backward with one explicit configuration: `Δ`, then
+/// either the dK/dV kernel, which owns `16·planes` keys and streams `cols`
+/// queries, and the dQ kernel, which owns `16·planes` queries and streams
 /// `2·cols` keys (it holds one head-dim accumulator per lane where the
-/// dK/dV kernel holds two, so it affords the wider blocks), or, with
-/// `fused_dq`, the rounding of the dQ the dK/dV kernel accumulated.
+/// dK/dV kernel holds two, so it affords the wider blocks); or, with
+/// `fused_dq`, the fused kernel between the zeroing and the rounding of
+/// its f32 dQ accumulator.
 pub fn backward_with<R: Runtime>(
     client: &ComputeClient<R>,
     problem: &AttentionProblem,
@@ -252,6 +284,8 @@ pub fn backward_with<R: Runtime>(
     let k_arg = || b.k.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim);
     let v_arg = || b.v.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim);
     let do_arg = || b.dout.arg(p.batch, p.heads, p.seq_q, p.head_dim);
+    let dk_arg = || b.dk.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim);
+    let dv_arg = || b.dv.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim);
     // The fused dQ's f32 accumulator, dense `[batch, heads, seq_q, d]`.
     let dq_len = rows * p.head_dim;
     let dq_vecs = dq_len / VEC;
@@ -272,37 +306,38 @@ pub fn backward_with<R: Runtime>(
         client.empty(16)
     };
     backward_delta(client, problem, buffers)?;
+    let k_blocks = p.seq_k.div_ceil(config.rows());
+    let k_count = launch::cube_count(client, p.batch * p.kv_heads * k_blocks)?;
+    let strides = || seq_strides(&layouts, VEC);
     unsafe {
-        let k_blocks = p.seq_k.div_ceil(config.rows());
-        backward::mma_dkdv_kernel::launch_unchecked::<R>(
-            client,
-            launch::cube_count(client, p.batch * p.kv_heads * k_blocks)?,
-            CubeDim::new_1d(32 * config.planes),
-            VEC,
-            q_arg(),
-            k_arg(),
-            v_arg(),
-            do_arg(),
-            flat_arg(&b.lse, rows),
-            flat_arg(&b.delta, rows),
-            flat_arg(&lengths, p.batch),
-            b.dk.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
-            b.dv.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
-            flat_arg(&dq_acc, if config.fused_dq { dq_len } else { 4 }),
-            seq_strides(&layouts, VEC),
-            p.batch,
-            p.heads,
-            p.group(),
-            p.seq_q,
-            p.seq_k,
-            k_blocks,
-            p.window.unwrap_or(0),
-            p.scale,
-            t,
-            config.fused_dq,
-            p.dtype.storage(),
-        );
         if config.fused_dq {
+            fused_backward::mma_fused_backward_kernel::launch_unchecked::<R>(
+                client,
+                k_count,
+                CubeDim::new_1d(32 * config.planes),
+                VEC,
+                q_arg(),
+                k_arg(),
+                v_arg(),
+                do_arg(),
+                flat_arg(&b.lse, rows),
+                flat_arg(&b.delta, rows),
+                flat_arg(&lengths, p.batch),
+                dk_arg(),
+                dv_arg(),
+                flat_arg(&dq_acc, dq_len),
+                strides(),
+                p.batch,
+                p.heads,
+                p.group(),
+                p.seq_q,
+                p.seq_k,
+                k_blocks,
+                p.window.unwrap_or(0),
+                p.scale,
+                t,
+                p.dtype.storage(),
+            );
             let [s_b, s_h, s_q] = b.dq.strides.map(|s| s / VEC);
             dq_sum::round_dq_kernel::launch_unchecked::<R>(
                 client,
@@ -322,6 +357,32 @@ pub fn backward_with<R: Runtime>(
                 p.dtype.storage(),
             );
         } else {
+            backward::mma_dkdv_kernel::launch_unchecked::<R>(
+                client,
+                k_count,
+                CubeDim::new_1d(32 * config.planes),
+                VEC,
+                q_arg(),
+                k_arg(),
+                v_arg(),
+                do_arg(),
+                flat_arg(&b.lse, rows),
+                flat_arg(&b.delta, rows),
+                flat_arg(&lengths, p.batch),
+                dk_arg(),
+                dv_arg(),
+                strides(),
+                p.batch,
+                p.heads,
+                p.group(),
+                p.seq_q,
+                p.seq_k,
+                k_blocks,
+                p.window.unwrap_or(0),
+                p.scale,
+                t,
+                p.dtype.storage(),
+            );
             let q_blocks = p.seq_q.div_ceil(config.rows());
             let t = AttnTile {
                 cols: 2 * t.cols,
@@ -340,7 +401,7 @@ pub fn backward_with<R: Runtime>(
                 flat_arg(&b.delta, rows),
                 flat_arg(&lengths, p.batch),
                 b.dq.arg(p.batch, p.heads, p.seq_q, p.head_dim),
-                seq_strides(&layouts, VEC),
+                strides(),
                 p.batch,
                 p.heads,
                 p.group(),
@@ -366,16 +427,16 @@ pub fn candidates<R: Runtime>(
     backward: bool,
 ) -> Vec<MmaLaunch> {
     let shapes: &[(u32, u32, bool)] = if backward {
-        // Each shape with and without the fused dQ, side by side, so a
-        // rotation through the list exercises both forms.
+        // Fused and separate forms alternate, so a rotation through the
+        // list exercises both.
         &[
-            (8, 32, true),
+            (8, 64, true),
             (8, 32, false),
-            (4, 32, true),
+            (4, 64, true),
             (4, 32, false),
-            (8, 16, true),
+            (8, 32, true),
             (8, 16, false),
-            (4, 16, true),
+            (4, 32, true),
             (4, 16, false),
             (2, 32, false),
         ]
@@ -464,6 +525,12 @@ pub fn backward<R: Runtime>(
         buffers,
         list,
     )
+}
+
+/// The units of a tensor-core cube: `upr` (one plane) per 16 rows of the
+/// tile.
+pub(crate) fn mma_units(t: AttnTile) -> usize {
+    t.rows as usize / 16 * t.upr as usize
 }
 
 /// `(batch, head, block)` of this cube, the blocks of a head in reverse

@@ -1,0 +1,380 @@
+//! The fused tensor-core backward: one kernel forms dK, dV and (through
+//! f32 atomics) dQ, five products per block pair, with every warp tile two
+//! fragments tall so that each B fragment read from shared memory feeds
+//! two products.
+//!
+//! One cube per (batch, kv head, block of `16·planes` keys). For every
+//! query head of the group and every block of `cols` queries that sees
+//! its keys (streamed through two stages of shared memory by asynchronous
+//! copies), in three phases separated by cube barriers:
+//!
+//! 1. `Sᵀ = K·Qᵀ` and `dPᵀ = V·dOᵀ`, the planes laid out as `planes/2`
+//!    tiles of 32 keys by two halves of the queries; `Pᵀ` and
+//!    `dSᵀ = Pᵀ ⊙ (dPᵀ − Δ)` go to shared memory, rounded to the input
+//!    dtype.
+//! 2. `dV += Pᵀ·dO` and `dK += dSᵀ·Q`, each plane owning 32 keys by half
+//!    the head dim of both accumulators, for the whole loop.
+//! 3. `dQ += dS·K` (`dS` read transposed from the `dSᵀ` tile), each plane
+//!    taking 32 queries by a slice of the head dim, added into the f32
+//!    accumulator `dq_acc` with 16-byte atomics; `dq_sum` zeroes it before
+//!    and scales and rounds it into dQ after. The order of the additions,
+//!    so the last bits of dQ, vary from run to run.
+
+use cubecl::prelude::barrier::Barrier;
+use cubecl::prelude::*;
+
+use super::super::backward::query_block_range;
+use super::super::tile::{AttnTile, key_count};
+use super::backward::{Stat, copy_queries, load_keys_values, softmax_grads, store_dk_dv};
+use super::fragment::{Frag, accumulate_tiles, products, stage_accs, zero_accs};
+use super::{block_full, mma_cube_coords};
+
+/// Four f32 of a dQ row, what one atomic addition takes.
+type Quad = Vector<f32, Const<4>>;
+
+/// Planes along the queries of a dQ tile (32 queries each) for a block of
+/// `cols` queries; the others split the head dim.
+pub(crate) fn dq_query_planes(cols: usize) -> usize {
+    cols / 32
+}
+
+/// Adds a plane's dQ accumulators (`mt = 2` tiles of 16 queries from
+/// `row0` by `n` accumulators of 8 columns from `col0`) into the f32
+/// accumulator, rows from `row_base`. Lanes 2u and 2u + 1 trade halves so
+/// that each holds four neighbouring columns of one row (the even lane of
+/// row `g`, the odd of row `g + 8`): one 16-byte atomic each.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn add_dq(
+    acc: &Sequence<Frag<f32>>,
+    dq_acc: &mut Tensor<Atomic<Quad>>,
+    row_base: usize,
+    row0: usize,
+    col0: usize,
+    seq_q: usize,
+    #[comptime] n: usize,
+    #[comptime] d: usize,
+) {
+    let lane = UNIT_POS_PLANE as usize;
+    let odd = lane % 2 == 1;
+    let col = col0 + (lane % 4) / 2 * 4;
+    #[unroll]
+    for m in 0..2usize {
+        let row = row0 + m * 16 + lane / 4 + select(odd, 8usize, 0usize);
+        #[unroll]
+        for j in 0..n {
+            let a = acc.index(m * n + j);
+            let send = select(odd, a[0usize], a[1usize]);
+            let keep = select(odd, a[1usize], a[0usize]);
+            let got0 = plane_shuffle_xor(send[0usize], 1u32);
+            let got1 = plane_shuffle_xor(send[1usize], 1u32);
+            let mut quad = Quad::new(0.0f32);
+            quad[0usize] = select(odd, got0, keep[0usize]);
+            quad[1usize] = select(odd, got1, keep[1usize]);
+            quad[2usize] = select(odd, keep[0usize], got0);
+            quad[3usize] = select(odd, keep[1usize], got1);
+            if row < seq_q {
+                dq_acc[((row_base + row) * d + col + j * 8) / 4].fetch_add(quad);
+            }
+        }
+    }
+}
+
+#[cube(launch_unchecked, fast_math = FastMath::all())]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    dout: &Tensor<Vector<F, N>>,
+    lse: &Tensor<Stat>,
+    delta: &Tensor<Stat>,
+    key_lengths: &Tensor<i32>,
+    dk: &mut Tensor<Vector<F, N>>,
+    dv: &mut Tensor<Vector<F, N>>,
+    dq_acc: &mut Tensor<Atomic<Quad>>,
+    strides: Sequence<usize>,
+    batch: usize,
+    heads: usize,
+    group: usize,
+    seq_q: usize,
+    seq_k: usize,
+    k_blocks: usize,
+    window: usize,
+    scale: f32,
+    #[comptime] t: AttnTile,
+    #[define(F)] _dtype: StorageType,
+) {
+    let rows = comptime![t.rows as usize];
+    let cols = comptime![t.cols as usize];
+    let d = comptime![t.head_dim as usize];
+    let pitch = comptime![t.head_dim as usize / 8 + 1];
+    let ksteps = comptime![t.head_dim as usize / 16];
+    // Phase 1: 32 keys by `cols / 2` queries per plane.
+    let sn = comptime![t.cols as usize / 16];
+    // Phase 2: 32 keys by `d / 2` columns per plane.
+    let dn = comptime![t.head_dim as usize / 16];
+    // Phase 3: 32 queries by `d / dq_split` columns per plane.
+    let dq_rows = comptime![dq_query_planes(t.cols as usize)];
+    let dq_split = comptime![t.rows as usize / 16 / dq_query_planes(t.cols as usize)];
+    let qn = comptime![
+        t.head_dim as usize / 8 / (t.rows as usize / 16 / dq_query_planes(t.cols as usize))
+    ];
+    // `Pᵀ` and `dSᵀ` tiles: keys by queries.
+    let p_pitch = comptime![t.cols as usize / 8 + 1];
+    let lane = UNIT_POS_PLANE as usize;
+    let plane = UNIT_POS as usize / 32;
+    let kv_heads = heads / group;
+    let (b, hk, kb) = mma_cube_coords(k_blocks, kv_heads, false, t);
+    if b < batch {
+        let k0 = kb * rows;
+        let klen = key_count(key_lengths, b, seq_k, t);
+        let offset = seq_k - seq_q;
+        let k_last = select(k0 + rows < seq_k, k0 + rows, seq_k) - 1;
+        let (qb_first, qb_end) = query_block_range(k0, k_last, seq_q, offset, window, t);
+
+        let mut smem_k =
+            SharedMemory::<Vector<F, N>>::new_aligned(comptime![rows * pitch], 16usize);
+        let mut smem_v =
+            SharedMemory::<Vector<F, N>>::new_aligned(comptime![rows * pitch], 16usize);
+        let mut smem_q =
+            SharedMemory::<Vector<F, N>>::new_aligned(comptime![2 * cols * pitch], 16usize);
+        let mut smem_do =
+            SharedMemory::<Vector<F, N>>::new_aligned(comptime![2 * cols * pitch], 16usize);
+        let mut smem_stat = SharedMemory::<Stat>::new_aligned(comptime![4 * cols], 16usize);
+        let mut smem_p =
+            SharedMemory::<Vector<F, N>>::new_aligned(comptime![rows * p_pitch], 16usize);
+        let mut smem_ds =
+            SharedMemory::<Vector<F, N>>::new_aligned(comptime![rows * p_pitch], 16usize);
+        let barrier = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+
+        load_keys_values::<F, N>(
+            k,
+            v,
+            &strides,
+            b,
+            hk,
+            k0,
+            seq_k,
+            &mut smem_k,
+            &mut smem_v,
+            t,
+        );
+
+        // Phase 1 and 2 tiles: 32 keys from `krow`; phase 1 takes query
+        // half `plane % 2`, phase 2 head-dim half `plane % 2`.
+        let krow = (plane / 2) * 32;
+        let half_q = (plane % 2) * (cols / 2);
+        let half_d = (plane % 2) * (d / 2);
+        let key_top = k0 + krow + lane / 4;
+        // Phase 3 tile: 32 queries from `qrow`, columns from `dcol`.
+        let qrow = (plane % dq_rows) * 32;
+        let dcol = (plane / dq_rows) * (d / dq_split);
+        let mut acc_k = zero_accs(2 * dn);
+        let mut acc_v = zero_accs(2 * dn);
+
+        // Every (query head of the group, query block) in one sequence.
+        let blocks = select(qb_end > qb_first, qb_end - qb_first, 0usize);
+        let total = group * blocks;
+        if total > 0 {
+            copy_queries::<F, N>(
+                q,
+                dout,
+                lse,
+                delta,
+                &strides,
+                b,
+                hk * group,
+                heads,
+                qb_first,
+                blocks,
+                0usize,
+                seq_q,
+                &mut smem_q,
+                &mut smem_do,
+                &mut smem_stat,
+                t,
+            );
+        }
+        for i in 0..total {
+            barrier.commit_copy_async();
+            // Also the barrier after which the previous block's `Pᵀ` and
+            // `dSᵀ` tiles and its query stage are free.
+            barrier.arrive_and_wait();
+            if i + 1 < total {
+                copy_queries::<F, N>(
+                    q,
+                    dout,
+                    lse,
+                    delta,
+                    &strides,
+                    b,
+                    hk * group,
+                    heads,
+                    qb_first,
+                    blocks,
+                    i + 1,
+                    seq_q,
+                    &mut smem_q,
+                    &mut smem_do,
+                    &mut smem_stat,
+                    t,
+                );
+            }
+            let h = hk * group + i / blocks;
+            let q0 = (qb_first + i % blocks) * cols;
+            let first = (i % 2) * cols;
+
+            // Phase 1.
+            let mut p = products::<F, N>(
+                &smem_k,
+                krow,
+                &smem_q,
+                first + half_q,
+                2usize,
+                sn,
+                ksteps,
+                pitch,
+            );
+            let mut ds = products::<F, N>(
+                &smem_v,
+                krow,
+                &smem_do,
+                first + half_q,
+                2usize,
+                sn,
+                ksteps,
+                pitch,
+            );
+            let q_last = select(q0 + cols < seq_q, q0 + cols, seq_q) - 1;
+            // Keys past the sequence (zero rows of the tiles) count as
+            // outside the block, so the mask zeroes their probabilities
+            // and no overflow of theirs reaches dQ.
+            let full = block_full(
+                q0 + offset,
+                q_last + offset,
+                k0,
+                k0 + rows - 1,
+                klen,
+                window,
+                t,
+            );
+            softmax_grads(
+                &mut p,
+                &mut ds,
+                &smem_stat,
+                first,
+                half_q,
+                q0 + offset,
+                key_top,
+                full,
+                klen,
+                window,
+                scale,
+                2usize,
+                sn,
+                t,
+            );
+            #[unroll]
+            for m in 0..2usize {
+                let r = krow + m * 16;
+                stage_accs::<F, N>(
+                    &p,
+                    &mut smem_p,
+                    r,
+                    half_q,
+                    1.0f32,
+                    1.0f32,
+                    m * sn,
+                    sn,
+                    p_pitch,
+                );
+                stage_accs::<F, N>(
+                    &ds,
+                    &mut smem_ds,
+                    r,
+                    half_q,
+                    1.0f32,
+                    1.0f32,
+                    m * sn,
+                    sn,
+                    p_pitch,
+                );
+            }
+            sync_cube();
+
+            // Phase 2.
+            let qsteps = comptime![t.cols as usize / 16];
+            accumulate_tiles::<F, N>(
+                &mut acc_v, &smem_p, krow, &smem_do, first, half_d, false, p_pitch, pitch, 2usize,
+                dn, qsteps,
+            );
+            accumulate_tiles::<F, N>(
+                &mut acc_k, &smem_ds, krow, &smem_q, first, half_d, false, p_pitch, pitch, 2usize,
+                dn, qsteps,
+            );
+
+            // Phase 3.
+            let mut acc_q = zero_accs(2 * qn);
+            accumulate_tiles::<F, N>(
+                &mut acc_q,
+                &smem_ds,
+                qrow,
+                &smem_k,
+                0usize,
+                dcol,
+                true,
+                p_pitch,
+                pitch,
+                2usize,
+                qn,
+                comptime![t.rows as usize / 16],
+            );
+            add_dq(
+                &acc_q,
+                dq_acc,
+                (b * heads + h) * seq_q,
+                q0 + qrow,
+                dcol,
+                seq_q,
+                qn,
+                d,
+            );
+        }
+
+        // The key and value tiles take the results once every plane is
+        // done reading the key tile; each plane then stores 16 rows.
+        sync_cube();
+        #[unroll]
+        for m in 0..2usize {
+            let r = krow + m * 16;
+            stage_accs::<F, N>(
+                &acc_k,
+                &mut smem_k,
+                r,
+                half_d,
+                scale,
+                scale,
+                m * dn,
+                dn,
+                pitch,
+            );
+            stage_accs::<F, N>(
+                &acc_v,
+                &mut smem_v,
+                r,
+                half_d,
+                1.0f32,
+                1.0f32,
+                m * dn,
+                dn,
+                pitch,
+            );
+        }
+        sync_cube();
+        let row0 = plane * 16;
+        store_dk_dv::<F, N>(
+            &smem_k, &smem_v, dk, dv, &strides, b, hk, k0, row0, seq_k, t,
+        );
+    }
+}
