@@ -490,23 +490,24 @@ impl RuntimeTest for TensorCores {
             }
             // Each option case rotates through its own candidates (the
             // fused backward takes only some head dims).
+            for (i, case) in option_cases().iter().enumerate() {
+                let fwd = mma::candidates(&client, &problem_of(case, dtype), false);
+                let bwd = mma::candidates(&client, &problem_of(case, dtype), true);
+                let path = Path::Mma(Some((&fwd[i % fwd.len()], &bwd[i % bwd.len()])));
+                check(&client, device, case, dtype, path, &mut rng);
+            }
+            // Padding under the fused backward, where the device has it.
             let mut padded = Case::new(3, 4, 2, 45, 128);
             padded.key_lengths = Some(vec![45, 17, 0]);
             padded.causal = true;
-            let mut cases = option_cases();
-            cases.push(padded);
-            for (i, case) in cases.iter().enumerate() {
-                let fwd = mma::candidates(&client, &problem_of(case, dtype), false);
-                let mut bwd = mma::candidates(&client, &problem_of(case, dtype), true);
-                if case.key_lengths.is_some() && case.head_dim == 128 {
-                    // Padding under the fused backward, where it exists.
-                    bwd.retain(|c| c.fused_dq);
-                    if bwd.is_empty() {
-                        continue;
-                    }
-                }
-                let path = Path::Mma(Some((&fwd[i % fwd.len()], &bwd[i % bwd.len()])));
-                check(&client, device, case, dtype, path, &mut rng);
+            let problem = problem_of(&padded, dtype);
+            let fwd = mma::candidates(&client, &problem, false);
+            let fused = mma::candidates(&client, &problem, true)
+                .into_iter()
+                .filter(|c| c.fused_dq);
+            for (i, bwd) in fused.enumerate() {
+                let path = Path::Mma(Some((&fwd[i % fwd.len()], &bwd)));
+                check(&client, device, &padded, dtype, path, &mut rng);
             }
             let mut long = Case::new(1, 4, 2, 1000, 128);
             long.sinks = true;

@@ -116,10 +116,8 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
     let dn = comptime![t.head_dim as usize / 16];
     // Phase 3: 32 queries by `d / dq_split` columns per plane.
     let dq_rows = comptime![dq_query_planes(t.cols as usize)];
-    let dq_split = comptime![t.rows as usize / 16 / dq_query_planes(t.cols as usize)];
-    let qn = comptime![
-        t.head_dim as usize / 8 / (t.rows as usize / 16 / dq_query_planes(t.cols as usize))
-    ];
+    let dq_split = comptime![t.rows as usize / 16 / dq_rows];
+    let qn = comptime![d / 8 / dq_split];
     // `Pᵀ` and `dSᵀ` tiles: keys by queries.
     let p_pitch = comptime![t.cols as usize / 8 + 1];
     let lane = UNIT_POS_PLANE as usize;

@@ -128,7 +128,6 @@ impl MmaLaunch {
         let dq_rows = fused_backward::dq_query_planes(cols);
         let tiles = planes.is_multiple_of(2)
             && cols.is_multiple_of(32)
-            && dq_rows <= planes
             && planes.is_multiple_of(dq_rows)
             && d <= 128
             && d.is_multiple_of(32)
