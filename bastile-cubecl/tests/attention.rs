@@ -28,6 +28,10 @@ struct Case {
     /// Store q, k, v, dout as `[batch, seq, heads, head_dim]` (what a
     /// projection's reshape gives) instead of head-major.
     seq_major: bool,
+    /// Queries lean one way and keys drift that way along the sequence,
+    /// so a row's scores climb by about 30 from its first key to its last:
+    /// its running maximum keeps moving mid-row.
+    rising: bool,
 }
 
 impl Case {
@@ -44,6 +48,7 @@ impl Case {
             sinks: false,
             key_lengths: None,
             seq_major: false,
+            rising: false,
         }
     }
 }
@@ -108,8 +113,20 @@ fn check<R: Runtime>(
     let n_q = c.batch * c.heads * c.seq_q * c.head_dim;
     let n_k = c.batch * c.kv_heads * c.seq_k * c.head_dim;
     // Scores of a few units: softmaxes that are neither flat nor one-hot.
-    let q = rounded(rng, dtype, n_q, 1.5);
-    let k = rounded(rng, dtype, n_k, 1.5);
+    let (q, k) = if c.rising {
+        let q = rng.normals(n_q, 1.0, 1.5);
+        let k = rng.normals(n_k, 0.0, 1.5);
+        // Key j leans 2.7·j/seq_k along every dim: scores rise by about
+        // 2.7·√d over the sequence.
+        let k = k
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v + 2.7 * ((i / c.head_dim) % c.seq_k) as f64 / c.seq_k as f64);
+        let round = |v: f64| round_to(dtype, v);
+        (q.into_iter().map(round).collect(), k.map(round).collect())
+    } else {
+        (rounded(rng, dtype, n_q, 1.5), rounded(rng, dtype, n_k, 1.5))
+    };
     let v = rounded(rng, dtype, n_k, 1.0);
     let dout = rounded(rng, dtype, n_q, 1.0);
     let sinks: Vec<f64> = rng.normals(c.heads, 1.0, 1.0);
@@ -297,6 +314,9 @@ fn option_cases() -> Vec<Case> {
     strided.causal = true;
     strided.seq_k = 50;
     cases.push(strided);
+    let mut rising = Case::new(1, 4, 2, 300, 128);
+    rising.rising = true;
+    cases.push(rising);
     let mut cross = Case::new(1, 2, 1, 9, 64);
     cross.causal = false;
     cross.seq_k = 4;

@@ -121,7 +121,7 @@ pub(crate) fn attention_dkdv_kernel<F: Float>(
     // Cubes are `upr × rows` units: one row of the tile per Y.
     let row = UNIT_POS_Y as usize;
     let lane = UNIT_POS_X as usize;
-    let (b, hk, kb) = cube_coords(k_blocks, kv_heads);
+    let (b, hk, kb) = cube_coords(k_blocks, kv_heads, batch, false, t);
     if b < batch {
         let k0 = kb * rows;
         let klen = key_count(key_lengths, b, seq_k, t);
@@ -262,7 +262,7 @@ pub(crate) fn attention_dq_kernel<F: Float>(
     // Cubes are `upr × rows` units: one row of the tile per Y.
     let row = UNIT_POS_Y as usize;
     let lane = UNIT_POS_X as usize;
-    let (b, h, qb) = cube_coords(q_blocks, heads);
+    let (b, h, qb) = cube_coords(q_blocks, heads, batch, true, t);
     if b < batch {
         let hk = h / group;
         let q0 = qb * rows;

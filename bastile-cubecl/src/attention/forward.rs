@@ -86,7 +86,7 @@ pub(crate) fn attention_forward_kernel<F: Float>(
     // Cubes are `upr × rows` units: one row of the tile per Y.
     let row = UNIT_POS_Y as usize;
     let lane = UNIT_POS_X as usize;
-    let (b, h, qb) = cube_coords(q_blocks, heads);
+    let (b, h, qb) = cube_coords(q_blocks, heads, batch, true, t);
     if b < batch {
         let hk = h / group;
         let q0 = qb * rows;

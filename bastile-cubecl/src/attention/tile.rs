@@ -52,13 +52,30 @@ pub(crate) fn allowed(
     ok
 }
 
-/// `(batch, head, block)` of this cube: cubes run over the blocks of one
-/// head first, then over heads, then over batch entries (the batch index
-/// may pass the batch size when the grid is rounded up).
+/// `(batch, head, block)` of this cube. Batch entries and heads vary
+/// fastest, so the cubes of one block index run side by side; under a
+/// causal mask the blocks come in order of decreasing work (`reverse`:
+/// the last block is the heaviest, as for query blocks), so every head's
+/// heavy cubes start first and the grid ends on light ones, instead of
+/// the last head's heaviest cube starting when the others are nearly
+/// done. A cube past the grid (rounded up) gets the batch index `batch`.
 #[cube]
-pub(crate) fn cube_coords(blocks: usize, heads: usize) -> (usize, usize, usize) {
-    let cube = CUBE_POS;
-    (cube / blocks / heads, cube / blocks % heads, cube % blocks)
+pub(crate) fn cube_coords(
+    blocks: usize,
+    heads: usize,
+    batch: usize,
+    #[comptime] reverse: bool,
+    #[comptime] t: AttnTile,
+) -> (usize, usize, usize) {
+    let pairs = batch * heads;
+    let rank = CUBE_POS / pairs;
+    let inside = rank < blocks;
+    let bh = CUBE_POS % pairs;
+    let mut block = rank;
+    if comptime![reverse && t.causal] {
+        block = blocks - 1 - select(inside, rank, blocks - 1);
+    }
+    (select(inside, bh / heads, batch), bh % heads, block)
 }
 
 /// The number of keys of batch entry `b` that exist: `seq_k`, or its

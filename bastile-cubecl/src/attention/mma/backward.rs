@@ -21,13 +21,13 @@ use cubecl::prelude::*;
 
 use super::super::backward::query_block_range;
 use super::super::forward::query_block_keys;
-use super::super::tile::{AttnTile, allowed, key_count};
+use super::super::tile::{AttnTile, allowed, cube_coords, key_count};
 use super::forward::copy_block;
 use super::fragment::{
     Frag, Pair, Tile, acc_to_a, copy_tile, half, load_b_cols, load_tile, mma, products, stage_accs,
     store_rows, zero_accs,
 };
-use super::{block_full, mma_cube_coords, mma_units};
+use super::{block_full, mma_units};
 
 /// `lse` of a query row that does not exist: its probabilities are
 /// exp(−huge) = 0.
@@ -321,7 +321,7 @@ pub(crate) fn mma_dkdv_kernel<F: Float, N: Size>(
     let lane = UNIT_POS_PLANE as usize;
     let plane = UNIT_POS as usize / 32;
     let kv_heads = heads / group;
-    let (b, hk, kb) = mma_cube_coords(k_blocks, kv_heads, false, t);
+    let (b, hk, kb) = cube_coords(k_blocks, kv_heads, batch, false, t);
     if b < batch {
         let k0 = kb * rows;
         let klen = key_count(key_lengths, b, seq_k, t);
@@ -497,7 +497,7 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
     let sn = comptime![t.cols as usize / 8];
     let lane = UNIT_POS_PLANE as usize;
     let plane = UNIT_POS as usize / 32;
-    let (b, h, qb) = mma_cube_coords(q_blocks, heads, true, t);
+    let (b, h, qb) = cube_coords(q_blocks, heads, batch, true, t);
     if b < batch {
         let hk = h / group;
         let q0 = qb * rows;

@@ -10,12 +10,12 @@ use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::super::forward::query_block_keys;
-use super::super::tile::{AttnTile, MASKED, MASKED_BELOW, allowed, key_count};
+use super::super::tile::{AttnTile, MASKED, MASKED_BELOW, allowed, cube_coords, key_count};
 use super::fragment::{
     Frag, Pair, acc_to_a, copy_tile, half, load_a, load_b_cols, load_b_rows, load_tile, mma,
     quad_max, quad_sum, stage_accs, store_rows, zero_accs,
 };
-use super::{block_full, mma_cube_coords, mma_units};
+use super::{block_full, mma_units};
 
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(clippy::too_many_arguments)]
@@ -48,7 +48,7 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
     let sn = comptime![t.cols as usize / 8];
     let lane = UNIT_POS_PLANE as usize;
     let plane = UNIT_POS as usize / 32;
-    let (b, h, qb) = mma_cube_coords(q_blocks, heads, true, t);
+    let (b, h, qb) = cube_coords(q_blocks, heads, batch, true, t);
     if b < batch {
         let hk = h / group;
         let q0 = qb * rows;
@@ -195,16 +195,34 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
                 acc[0usize] = x;
                 acc[1usize] = y;
             }
-            let new_top = f32::max(m_top, quad_max(bm_top));
-            let new_bot = f32::max(m_bot, quad_max(bm_bot));
-            // A row that has seen only masked keys subtracts 0, so its
-            // masked entries give exp(MASKED) = 0, not exp(0) = 1.
-            let use_top = select(new_top > MASKED_BELOW, new_top, 0.0f32);
-            let use_bot = select(new_bot > MASKED_BELOW, new_bot, 0.0f32);
-            let alpha_top = f32::exp(m_top - use_top);
-            let alpha_bot = f32::exp(m_bot - use_bot);
-            m_top = new_top;
-            m_bot = new_bot;
+            let blk_top = quad_max(bm_top);
+            let blk_bot = quad_max(bm_bot);
+            // The plane keeps its running maxima (and skips rescaling the
+            // output and sums) unless a row's block maximum passes its
+            // own by more than RESCALE_SLACK: the probabilities then stay
+            // below e^RESCALE_SLACK, and output, sum and lse all share the
+            // stale reference, so the result is the same.
+            let grows = blk_top > m_top + RESCALE_SLACK || blk_bot > m_bot + RESCALE_SLACK;
+            if plane_any(grows) {
+                let new_top = f32::max(m_top, blk_top);
+                let new_bot = f32::max(m_bot, blk_bot);
+                // A row that has seen only masked keys keeps a reference
+                // of 0 (below), so its old terms scale by exp(MASKED) = 0.
+                let alpha_top = f32::exp(m_top - reference(new_top));
+                let alpha_bot = f32::exp(m_bot - reference(new_bot));
+                m_top = new_top;
+                m_bot = new_bot;
+                l_top *= alpha_top;
+                l_bot *= alpha_bot;
+                #[unroll]
+                for nt in 0..vecs {
+                    let acc = o.index_mut(nt);
+                    acc[0usize] = acc[0usize] * Pair::<f32>::new(alpha_top);
+                    acc[1usize] = acc[1usize] * Pair::<f32>::new(alpha_bot);
+                }
+            }
+            let use_top = reference(m_top);
+            let use_bot = reference(m_bot);
             let mut sum_top = 0.0f32;
             let mut sum_bot = 0.0f32;
             #[unroll]
@@ -217,14 +235,8 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
                 acc[0usize] = x;
                 acc[1usize] = y;
             }
-            l_top = l_top * alpha_top + sum_top;
-            l_bot = l_bot * alpha_bot + sum_bot;
-            #[unroll]
-            for nt in 0..vecs {
-                let acc = o.index_mut(nt);
-                acc[0usize] = acc[0usize] * Pair::<f32>::new(alpha_top);
-                acc[1usize] = acc[1usize] * Pair::<f32>::new(alpha_bot);
-            }
+            l_top += sum_top;
+            l_bot += sum_bot;
 
             #[unroll]
             for kk in 0..comptime![sn / 2] {
@@ -277,6 +289,19 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
             }
         }
     }
+}
+
+/// How far (in scaled-score units) a row's maximum may rise past the
+/// plane's running reference before the reference moves: probabilities
+/// stay below e^5.5 ≈ 245, well inside f16/bf16 and the f32 sums.
+const RESCALE_SLACK: f32 = 5.5;
+
+/// The value a row subtracts from its scores: its running maximum, or 0
+/// while it has seen only masked keys, so that their entries give
+/// exp(MASKED) = 0 rather than exp(0) = 1.
+#[cube]
+fn reference(m: f32) -> f32 {
+    select(m > MASKED_BELOW, m, 0.0f32)
 }
 
 /// Starts the copies of keys and values `first .. first + cols` into rows

@@ -24,10 +24,10 @@ use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::super::backward::query_block_range;
-use super::super::tile::{AttnTile, key_count};
+use super::super::tile::{AttnTile, cube_coords, key_count};
 use super::backward::{Stat, copy_queries, load_keys_values, softmax_grads, store_dk_dv};
+use super::block_full;
 use super::fragment::{Frag, accumulate_tiles, products, stage_accs, zero_accs};
-use super::{block_full, mma_cube_coords};
 
 /// Four f32 of a dQ row, what one atomic addition takes.
 type Quad = Vector<f32, Const<4>>;
@@ -123,7 +123,7 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
     let lane = UNIT_POS_PLANE as usize;
     let plane = UNIT_POS as usize / 32;
     let kv_heads = heads / group;
-    let (b, hk, kb) = mma_cube_coords(k_blocks, kv_heads, false, t);
+    let (b, hk, kb) = cube_coords(k_blocks, kv_heads, batch, false, t);
     if b < batch {
         let k0 = kb * rows;
         let klen = key_count(key_lengths, b, seq_k, t);

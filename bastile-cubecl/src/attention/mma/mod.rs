@@ -23,7 +23,7 @@ use cubecl::ir::{ElemType, FloatKind, StorageType, Type};
 use cubecl::prelude::*;
 use cubecl::tune::{LocalTuner, local_tuner};
 
-use super::tile::{AttnTile, cube_coords};
+use super::tile::AttnTile;
 use super::{
     AttentionBackwardBuffers, AttentionForwardBuffers, AttentionProblem, AttnKey, HeadLayout,
     backward_delta, dummy, flat_arg, key, seq_strides,
@@ -530,24 +530,6 @@ pub fn backward<R: Runtime>(
 /// tile.
 pub(crate) fn mma_units(t: AttnTile) -> usize {
     t.rows as usize / 16 * t.upr as usize
-}
-
-/// `(batch, head, block)` of this cube, the blocks of a head in reverse
-/// when `reverse` and causal: under a causal mask the last query blocks
-/// see the most keys, and starting them first keeps the tail short.
-#[cube]
-pub(crate) fn mma_cube_coords(
-    blocks: usize,
-    heads: usize,
-    #[comptime] reverse: bool,
-    #[comptime] t: AttnTile,
-) -> (usize, usize, usize) {
-    let (b, h, blk) = cube_coords(blocks, heads);
-    let mut block = blk;
-    if comptime![reverse && t.causal] {
-        block = blocks - 1 - blk;
-    }
-    (b, h, block)
 }
 
 /// Whether every query position in `[q_first, q_last]` sees every key in
