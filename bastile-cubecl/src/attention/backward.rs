@@ -21,6 +21,9 @@ use crate::reduce::lane_sum;
 /// `Δ = rowsum(o ⊙ dO)` (and each row's share of the sink gradient), one
 /// unit per query row reading `N`-element vectors: a row's `d/N` loads hit
 /// the same few cache lines, so the walk along the row is served by L1.
+/// With `zero_rows`, the cube also zeroes its rows of the dense f32
+/// `[batch, heads, seq_q, d]` buffer `zeroed` (the tensor-core backward's
+/// dQ accumulator), saving that buffer a launch of its own.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_delta_kernel<F: Float, N: Size>(
@@ -30,15 +33,30 @@ pub(crate) fn attention_delta_kernel<F: Float, N: Size>(
     sinks: &Tensor<f32>,
     delta: &mut Tensor<f32>,
     dsink_rows: &mut Tensor<f32>,
+    zeroed: &mut Tensor<Vector<f32, N>>,
     strides: Sequence<usize>,
     heads: usize,
     seq_q: usize,
     total_rows: usize,
     #[comptime] vecs: usize,
+    #[comptime] zero_rows: bool,
     #[comptime] t: AttnTile,
     #[define(F)] _dtype: StorageType,
 ) {
-    let r = CUBE_POS * comptime![(t.rows * t.upr) as usize] + UNIT_POS as usize;
+    let units = comptime![(t.rows * t.upr) as usize];
+    let r = CUBE_POS * units + UNIT_POS as usize;
+    if comptime![zero_rows] {
+        // The cube's rows of `zeroed` are one contiguous run: neighbouring
+        // units store neighbouring vectors.
+        let base = CUBE_POS * units * vecs + UNIT_POS as usize;
+        #[unroll]
+        for i in 0..vecs {
+            let at = base + i * units;
+            if at < total_rows * vecs {
+                zeroed[at] = Vector::<f32, N>::new(0.0f32);
+            }
+        }
+    }
     if r < total_rows {
         let qi = r % seq_q;
         let h = r / seq_q % heads;
@@ -53,6 +71,7 @@ pub(crate) fn attention_delta_kernel<F: Float, N: Size>(
         }
         let acc = lane_sum(acc);
         delta[r] = acc;
+
         if comptime![t.sinks] {
             // The sink has no value: its score gradient is p_sink·(0 − Δ).
             dsink_rows[r] = -f32::exp(sinks[h] - lse[r]) * acc;

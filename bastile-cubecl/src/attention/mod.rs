@@ -368,7 +368,7 @@ pub fn backward_with<R: Runtime>(
     let do_arg = || b.dout.arg(p.batch, p.heads, p.seq_q, p.head_dim);
     let stat = |h: &Handle| flat_arg::<R>(h, rows);
     let lengths_arg = || flat_arg::<R>(&lengths, p.batch);
-    launch_delta(client, p, b, config, t)?;
+    launch_delta(client, p, b, config, t, None)?;
     unsafe {
         let k_blocks = p.seq_k.div_ceil(config.rows as usize);
         backward::attention_dkdv_kernel::launch_unchecked::<R>(
@@ -434,6 +434,17 @@ pub fn backward_delta<R: Runtime>(
     problem: &AttentionProblem,
     buffers: &AttentionBackwardBuffers,
 ) -> Result<(), KernelError> {
+    backward_delta_zeroing(client, problem, buffers, None)
+}
+
+/// [`backward_delta`], also zeroing `zeroed` (a dense f32
+/// `[batch, heads, seq_q, head_dim]` buffer) row by row when given.
+pub(crate) fn backward_delta_zeroing<R: Runtime>(
+    client: &ComputeClient<R>,
+    problem: &AttentionProblem,
+    buffers: &AttentionBackwardBuffers,
+    zeroed: Option<&Handle>,
+) -> Result<(), KernelError> {
     problem.validate()?;
     // One row per unit: the tile's shape only sets the cube size.
     let config = AttnLaunch {
@@ -441,7 +452,14 @@ pub fn backward_delta<R: Runtime>(
         cols: 1,
         upr: 1,
     };
-    launch_delta(client, problem, buffers, &config, config.tile(problem))
+    launch_delta(
+        client,
+        problem,
+        buffers,
+        &config,
+        config.tile(problem),
+        zeroed,
+    )
 }
 
 fn launch_delta<R: Runtime>(
@@ -450,6 +468,7 @@ fn launch_delta<R: Runtime>(
     b: &AttentionBackwardBuffers,
     config: &AttnLaunch,
     t: AttnTile,
+    zeroed: Option<&Handle>,
 ) -> Result<(), KernelError> {
     let rows = p.query_rows();
     let units = config.units() as usize;
@@ -468,6 +487,9 @@ fn launch_delta<R: Runtime>(
     let strides = seq_strides(&b.layouts(), vec);
     let sinks = b.sinks.clone().unwrap_or_else(|| dummy(client));
     let dsink_rows = b.dsink_rows.clone().unwrap_or_else(|| dummy(client));
+    let zero_rows = zeroed.is_some();
+    let zeroed_len = rows * p.head_dim;
+    let zeroed = zeroed.cloned().unwrap_or_else(|| client.empty(4 * vec));
     unsafe {
         backward::attention_delta_kernel::launch_unchecked::<R>(
             client,
@@ -480,11 +502,13 @@ fn launch_delta<R: Runtime>(
             flat_arg(&sinks, p.heads),
             flat_arg(&b.delta, rows),
             flat_arg(&dsink_rows, if p.sinks { rows } else { 1 }),
+            flat_arg(&zeroed, if zero_rows { zeroed_len } else { vec }),
             strides,
             p.heads,
             p.seq_q,
             rows,
             p.head_dim / vec,
+            zero_rows,
             t,
             p.dtype.storage(),
         );

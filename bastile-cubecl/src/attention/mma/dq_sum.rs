@@ -1,18 +1,9 @@
-//! The f32 accumulator of the fused backward's dQ: zeroed before the
-//! dK/dV kernel adds every key block's `dS·K` into it, then scaled and
-//! rounded into dQ (whatever its strides). Both kernels take one 16-byte
+//! The f32 accumulator of the fused backward's dQ, once the fused kernel
+//! has added every key block's `dS·K` into it (the Δ kernel zeroes it
+//! first): scaled and rounded into dQ (whatever its strides), one 16-byte
 //! vector of dQ (8 elements) per unit.
 
 use cubecl::prelude::*;
-
-/// `acc[i] = 0` for the `count` vectors of the accumulator.
-#[cube(launch_unchecked)]
-pub(crate) fn zero_dq_kernel<N: Size>(acc: &mut Tensor<Vector<f32, N>>, count: usize) {
-    let i = CUBE_POS * CUBE_DIM as usize + UNIT_POS as usize;
-    if i < count {
-        acc[i] = Vector::<f32, N>::new(0.0f32);
-    }
-}
 
 /// `dq = scale · acc`, rounded to the input dtype: vector `i` of the dense
 /// `[batch, heads, seq_q, d]` accumulator goes to the same place of dQ

@@ -26,7 +26,7 @@ use cubecl::tune::{LocalTuner, local_tuner};
 use super::tile::AttnTile;
 use super::{
     AttentionBackwardBuffers, AttentionForwardBuffers, AttentionProblem, AttnKey, HeadLayout,
-    backward_delta, dummy, flat_arg, key, seq_strides,
+    backward_delta_zeroing, dummy, flat_arg, key, seq_strides,
 };
 use crate::tune::{CandidateCache, Tuner, run_tuned};
 use crate::{FloatDtype, KernelError, launch};
@@ -285,26 +285,16 @@ pub fn backward_with<R: Runtime>(
     let do_arg = || b.dout.arg(p.batch, p.heads, p.seq_q, p.head_dim);
     let dk_arg = || b.dk.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim);
     let dv_arg = || b.dv.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim);
-    // The fused dQ's f32 accumulator, dense `[batch, heads, seq_q, d]`.
+    // The fused dQ's f32 accumulator, dense `[batch, heads, seq_q, d]`,
+    // zeroed by the Δ kernel as it walks the same rows.
     let dq_len = rows * p.head_dim;
     let dq_vecs = dq_len / VEC;
-    let dq_acc = if config.fused_dq {
-        let acc = client.empty((dq_len * 4).max(16));
-        unsafe {
-            dq_sum::zero_dq_kernel::launch_unchecked::<R>(
-                client,
-                launch::cube_count(client, dq_vecs.div_ceil(256))?,
-                CubeDim::new_1d(256),
-                VEC,
-                flat_arg(&acc, dq_len),
-                dq_vecs,
-            );
-        }
-        acc
+    let dq_acc = client.empty(if config.fused_dq {
+        (dq_len * 4).max(16)
     } else {
-        client.empty(16)
-    };
-    backward_delta(client, problem, buffers)?;
+        16
+    });
+    backward_delta_zeroing(client, problem, buffers, config.fused_dq.then_some(&dq_acc))?;
     let k_blocks = p.seq_k.div_ceil(config.rows());
     let k_count = launch::cube_count(client, p.batch * p.kv_heads * k_blocks)?;
     let strides = || seq_strides(&layouts, VEC);
