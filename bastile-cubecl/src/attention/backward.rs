@@ -71,7 +71,6 @@ pub(crate) fn attention_delta_kernel<F: Float, N: Size>(
         }
         let acc = lane_sum(acc);
         delta[r] = acc;
-
         if comptime![t.sinks] {
             // The sink has no value: its score gradient is p_sink·(0 − Δ).
             dsink_rows[r] = -f32::exp(sinks[h] - lse[r]) * acc;
