@@ -82,10 +82,11 @@ fn poisoned_layout<R: Runtime>(
 }
 
 fn rounded(rng: &mut Rng, dtype: FloatDtype, n: usize, std: f64) -> Vec<f64> {
-    rng.normals(n, 0.0, std)
-        .into_iter()
-        .map(|v| round_to(dtype, v))
-        .collect()
+    round_all(dtype, rng.normals(n, 0.0, std))
+}
+
+fn round_all(dtype: FloatDtype, values: impl IntoIterator<Item = f64>) -> Vec<f64> {
+    values.into_iter().map(|v| round_to(dtype, v)).collect()
 }
 
 /// Which kernels a check runs, with an explicit configuration or tuned.
@@ -114,16 +115,15 @@ fn check<R: Runtime>(
     let n_k = c.batch * c.kv_heads * c.seq_k * c.head_dim;
     // Scores of a few units: softmaxes that are neither flat nor one-hot.
     let (q, k) = if c.rising {
-        let q = rng.normals(n_q, 1.0, 1.5);
-        let k = rng.normals(n_k, 0.0, 1.5);
+        let q = round_all(dtype, rng.normals(n_q, 1.0, 1.5));
         // Key j leans 2.7·j/seq_k along every dim: scores rise by about
         // 2.7·√d over the sequence.
-        let k = k
-            .iter()
+        let k = rng
+            .normals(n_k, 0.0, 1.5)
+            .into_iter()
             .enumerate()
             .map(|(i, v)| v + 2.7 * ((i / c.head_dim) % c.seq_k) as f64 / c.seq_k as f64);
-        let round = |v: f64| round_to(dtype, v);
-        (q.into_iter().map(round).collect(), k.map(round).collect())
+        (q, round_all(dtype, k))
     } else {
         (rounded(rng, dtype, n_q, 1.5), rounded(rng, dtype, n_k, 1.5))
     };

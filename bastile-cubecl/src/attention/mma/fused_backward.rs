@@ -16,9 +16,9 @@
 //!    the head dim of both accumulators, for the whole loop.
 //! 3. `dQ += dS·K` (`dS` read transposed from the `dSᵀ` tile), each plane
 //!    taking 32 queries by a slice of the head dim, added into the f32
-//!    accumulator `dq_acc` with 16-byte atomics; `dq_sum` zeroes it before
-//!    and scales and rounds it into dQ after. The order of the additions,
-//!    so the last bits of dQ, vary from run to run.
+//!    accumulator `dq_acc` with 16-byte atomics; the Δ kernel zeroes it
+//!    before and `dq_sum` scales and rounds it into dQ after. The order of
+//!    the additions, so the last bits of dQ, vary from run to run.
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
