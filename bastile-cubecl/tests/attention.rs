@@ -486,6 +486,7 @@ impl RuntimeTest for TensorCores {
             let cfg = MmaLaunch {
                 planes: 4,
                 cols: 64,
+                tiles: 1,
                 fused_dq: false,
             };
             let err = mma::forward_with(&client, &problem, &buffers, &cfg).unwrap_err();

@@ -5,7 +5,7 @@ forward and forward+backward time, causal TFLOP/s counted the same way
 
 Prints one JSON object per row on stdout (progress on stderr).
 
-Usage: python3 attention_torch.py [--seq 2048,4096,8192,16384] [--out results.json]
+Usage: python3 attention_torch.py [--seq 2048,4096,8192,16384] [--calls 10] [--out results.json]
 """
 
 import argparse
@@ -18,11 +18,9 @@ import torch.nn.functional as F
 B, HQ, HKV, D = 1, 16, 8, 128
 
 
-# Calls per timed sample, back to back, as the Rust bench times them.
-CALLS = 3
-
-
-def median_ms(fn, samples=10):
+def median_ms(fn, calls, samples=10):
+    """Median ms per call over samples of `calls` back-to-back calls, as
+    the Rust bench times them (its --calls)."""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
@@ -31,11 +29,11 @@ def median_ms(fn, samples=10):
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(CALLS):
+        for _ in range(calls):
             fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / CALLS)
+        times.append(start.elapsed_time(end) / calls)
     times.sort()
     return times[len(times) // 2]
 
@@ -44,6 +42,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq", default="2048,4096,8192,16384")
     parser.add_argument("--out")
+    parser.add_argument("--calls", type=int, default=10)
     args = parser.parse_args()
     rows = []
     for seq in [int(s) for s in args.seq.split(",")]:
@@ -57,11 +56,13 @@ def main():
 
         def fwd_bwd():
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            out.sum().backward()
+            # Seeded with ones as the Rust bench seeds it; fresh gradients
+            # (no accumulation into .grad), as Burn returns them.
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
 
-        fwd_ms = median_ms(fwd)
+        fwd_ms = median_ms(fwd, args.calls)
         torch.cuda.reset_peak_memory_stats()
-        both_ms = median_ms(fwd_bwd)
+        both_ms = median_ms(fwd_bwd, args.calls)
         peak = torch.cuda.max_memory_allocated() / 2**20
         flops = 4.0 * B * HQ * D * seq * seq / 2
         row = {

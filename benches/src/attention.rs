@@ -19,11 +19,6 @@ use crate::{Args, progress};
 /// memory first).
 const SHAPE: (usize, usize, usize, usize) = (1, 16, 8, 128);
 const TINY: (usize, usize, usize, usize) = (1, 4, 2, 64);
-/// Calls per timed sample, back to back (as in training, where the host
-/// queues the next call while the device runs this one): the launch
-/// latency after the opening sync and the closing sync are spread over
-/// them. The PyTorch script times the same number per sample.
-const CALLS: usize = 3;
 
 fn inputs<X: BastileBackend>(
     seq: usize,
@@ -54,7 +49,9 @@ fn forward<X: BastileBackend>(x: &[Tensor<X, 4>; 3]) -> Tensor<X, 4> {
 fn forward_backward<X: BastileBackend>(x: &[Tensor<Autodiff<X>, 4>; 3]) -> impl Sized {
     let [q, k, v] = x.clone().map(|t| t.require_grad());
     let out = attention(q, k, v, None, None, CAUSAL).expect("valid attention");
-    out.sum().backward()
+    // Seeded with ones, the gradient `out.sum()` would pass down, without
+    // timing the sum and its backward; the PyTorch script seeds the same way.
+    out.backward()
 }
 
 /// Times one implementation at one length: `(fwd s, fwd+bwd s, peak MiB)`.
@@ -63,6 +60,7 @@ fn measure<R, X>(
     shape: (usize, usize, usize, usize),
     dtype: DType,
     samples: usize,
+    calls: usize,
     device: &X::Device,
 ) -> (f64, f64, f64)
 where
@@ -73,7 +71,7 @@ where
     let reserved = || client.memory_usage().map(|u| u.bytes_reserved).unwrap_or(0) as f64;
     let sync = || X::sync(device).expect("device sync");
     let x = inputs::<X>(seq, shape, dtype, device);
-    let fwd = median_seconds(samples, CALLS, |_| forward(&x), sync);
+    let fwd = median_seconds(samples, calls, |_| forward(&x), sync);
     let xa = x.map(Tensor::<Autodiff<X>, 4>::from_inner);
     // Tune and warm, release the pool's free blocks, then read the peak
     // of one call.
@@ -84,7 +82,7 @@ where
     drop(forward_backward(&xa));
     sync();
     let peak = reserved() / (1u64 << 20) as f64;
-    let both = median_seconds(samples, CALLS, |_| forward_backward(&xa), sync);
+    let both = median_seconds(samples, calls, |_| forward_backward(&xa), sync);
     (fwd, both, peak)
 }
 
@@ -106,6 +104,7 @@ where
     };
     let (b, h, hk, d) = shape;
     let samples = args.samples.clamp(1, 10);
+    let calls = args.calls.max(1);
     // Burn's attention saves `[seq, seq]` scores and runs out of memory at
     // long sequences; its first failure ends its side of the sweep.
     let mut failed: Vec<&str> = Vec::new();
@@ -123,9 +122,9 @@ where
             }
             let measured = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 if implementation == "bastile" {
-                    measure::<R, Bastile<B>>(seq, shape, dtype, samples, device)
+                    measure::<R, Bastile<B>>(seq, shape, dtype, samples, calls, device)
                 } else {
-                    measure::<R, B>(seq, shape, dtype, samples, device)
+                    measure::<R, B>(seq, shape, dtype, samples, calls, device)
                 }
             }));
             let mut row = AttentionRow {

@@ -105,6 +105,13 @@ pub struct Args {
     /// Timed repetitions per measurement (the median is reported).
     #[arg(long, default_value_t = 15)]
     pub samples: usize,
+    /// With `--op attention`: calls per timed sample, back to back (as in
+    /// training, where the host queues the next call while the device runs
+    /// this one), spreading the opening launch latency and the closing sync
+    /// over them. `attention_torch.py --calls` takes the same number (and
+    /// the same default).
+    #[arg(long, default_value_t = 10)]
+    pub calls: usize,
     /// Train these model presets end to end (random weights, AdamW)
     /// instead of benchmarking kernels, e.g. `qwen3-0.6b,llama-3.2-1b`.
     #[arg(long, value_delimiter = ',')]

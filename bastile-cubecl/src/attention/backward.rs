@@ -18,9 +18,12 @@ use super::forward::query_block_keys;
 use super::tile::{AttnTile, accumulate, allowed, cube_coords, key_count, load_block, row_scores};
 use crate::reduce::lane_sum;
 
-/// `Δ = rowsum(o ⊙ dO)` (and each row's share of the sink gradient), one
-/// unit per query row reading `N`-element vectors: a row's `d/N` loads hit
-/// the same few cache lines, so the walk along the row is served by L1.
+/// `Δ = rowsum(o ⊙ dO)` (and each row's share of the sink gradient) for
+/// `t.rows` consecutive query rows per cube. Neighbouring units read
+/// neighbouring `N`-element vectors (of one row, then the next), so every
+/// load of a plane is one contiguous run; each vector's product lands in
+/// shared memory and one unit per row sums its row's.
+///
 /// With `zero_rows`, the cube also zeroes its rows of the dense f32
 /// `[batch, heads, seq_q, d]` buffer `zeroed` (the tensor-core backward's
 /// dQ accumulator), saving that buffer a launch of its own.
@@ -43,36 +46,60 @@ pub(crate) fn attention_delta_kernel<F: Float, N: Size>(
     #[comptime] t: AttnTile,
     #[define(F)] _dtype: StorageType,
 ) {
+    let rows = comptime![t.rows as usize];
     let units = comptime![(t.rows * t.upr) as usize];
-    let r = CUBE_POS * units + UNIT_POS as usize;
+    let items = comptime![rows * vecs];
+    // One padded row of partial products per query row: the summing
+    // units, `vecs + 1` apart, fall in different banks.
+    let pitch = comptime![vecs + 1];
+    let mut partial = SharedMemory::<f32>::new(comptime![rows * pitch]);
+    let first = CUBE_POS * rows;
     if comptime![zero_rows] {
-        // The cube's rows of `zeroed` are one contiguous run: neighbouring
-        // units store neighbouring vectors.
-        let base = CUBE_POS * units * vecs + UNIT_POS as usize;
+        // The cube's rows of `zeroed` are one contiguous run.
+        let base = first * vecs + UNIT_POS as usize;
         #[unroll]
-        for i in 0..vecs {
+        for i in 0..comptime![items.div_ceil(units)] {
             let at = base + i * units;
             if at < total_rows * vecs {
                 zeroed[at] = Vector::<f32, N>::new(0.0f32);
             }
         }
     }
-    if r < total_rows {
-        let qi = r % seq_q;
-        let h = r / seq_q % heads;
-        let b = r / seq_q / heads;
-        let o = b * strides[9usize] + h * strides[10usize] + qi * strides[11usize];
-        let g = b * strides[12usize] + h * strides[13usize] + qi * strides[14usize];
-        let mut acc = Vector::<f32, N>::new(0.0f32);
-        #[unroll]
-        for i in 0..vecs {
-            acc +=
-                Vector::<f32, N>::cast_from(out[o + i]) * Vector::<f32, N>::cast_from(dout[g + i]);
+    #[unroll]
+    for it in 0..comptime![items.div_ceil(units)] {
+        let i = it * units + UNIT_POS as usize;
+        if i < items {
+            let row = i / vecs;
+            let c = i % vecs;
+            let r = first + row;
+            let mut product = 0.0f32;
+            if r < total_rows {
+                let qi = r % seq_q;
+                let h = r / seq_q % heads;
+                let b = r / seq_q / heads;
+                let o = b * strides[9usize] + h * strides[10usize] + qi * strides[11usize];
+                let g = b * strides[12usize] + h * strides[13usize] + qi * strides[14usize];
+                product = lane_sum(
+                    Vector::<f32, N>::cast_from(out[o + c])
+                        * Vector::<f32, N>::cast_from(dout[g + c]),
+                );
+            }
+            partial[row * pitch + c] = product;
         }
-        let acc = lane_sum(acc);
+    }
+    sync_cube();
+    let row = UNIT_POS as usize;
+    let r = first + row;
+    if row < rows && r < total_rows {
+        let mut acc = 0.0f32;
+        #[unroll]
+        for c in 0..vecs {
+            acc += partial[row * pitch + c];
+        }
         delta[r] = acc;
         if comptime![t.sinks] {
             // The sink has no value: its score gradient is p_sink·(0 − Δ).
+            let h = r / seq_q % heads;
             dsink_rows[r] = -f32::exp(sinks[h] - lse[r]) * acc;
         }
     }

@@ -438,7 +438,7 @@ pub fn backward_delta<R: Runtime>(
 }
 
 /// [`backward_delta`], also zeroing `zeroed` (a dense f32
-/// `[batch, heads, seq_q, head_dim]` buffer) row by row when given.
+/// `[batch, heads, seq_q, head_dim]` buffer) when given.
 pub(crate) fn backward_delta_zeroing<R: Runtime>(
     client: &ComputeClient<R>,
     problem: &AttentionProblem,
@@ -446,11 +446,13 @@ pub(crate) fn backward_delta_zeroing<R: Runtime>(
     zeroed: Option<&Handle>,
 ) -> Result<(), KernelError> {
     problem.validate()?;
-    // One row per unit: the tile's shape only sets the cube size.
+    // 64 rows per cube, two units per row: the tile's shape only sets the
+    // cube's rows and size. Four planes per cube keep a full complement of
+    // planes resident on GPUs that hold 32 cubes per multiprocessor.
     let config = AttnLaunch {
         rows: 64,
         cols: 1,
-        upr: 1,
+        upr: 2,
     };
     launch_delta(
         client,
@@ -471,7 +473,6 @@ fn launch_delta<R: Runtime>(
     zeroed: Option<&Handle>,
 ) -> Result<(), KernelError> {
     let rows = p.query_rows();
-    let units = config.units() as usize;
     // The widest vector every row of `out` and `dO` splits into.
     let size = p.dtype.size();
     let vec = client
@@ -493,7 +494,7 @@ fn launch_delta<R: Runtime>(
     unsafe {
         backward::attention_delta_kernel::launch_unchecked::<R>(
             client,
-            launch::cube_count(client, rows.div_ceil(units))?,
+            launch::cube_count(client, rows.div_ceil(t.rows as usize))?,
             CubeDim::new_1d(config.units()),
             vec,
             b.out.arg(p.batch, p.heads, p.seq_q, p.head_dim),

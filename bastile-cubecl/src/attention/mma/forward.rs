@@ -1,10 +1,11 @@
 //! The tensor-core forward: one cube per (batch, query head, block of
-//! `16·planes` query rows), one plane per 16 rows. The plane keeps its
-//! queries, scores, probabilities and output accumulator in registers,
-//! streams key/value blocks through shared memory, and runs the online
-//! softmax on the accumulators themselves (the running maximum shared by
-//! the four lanes of a row through shuffles, the running sum kept per lane
-//! and combined once at the end).
+//! `16·tiles·planes` query rows), one plane per `16·tiles` rows. The plane
+//! keeps its scores, probabilities and output accumulators (and, with one
+//! tile, its queries) in registers, streams key/value blocks through
+//! shared memory, and runs the online softmax on the accumulators
+//! themselves (the running maximum shared by the four lanes of a row
+//! through shuffles, the running sum kept per lane and combined once at
+//! the end).
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
@@ -12,10 +13,10 @@ use cubecl::prelude::*;
 use super::super::forward::query_block_keys;
 use super::super::tile::{AttnTile, MASKED, MASKED_BELOW, allowed, cube_coords, key_count};
 use super::fragment::{
-    Frag, Pair, acc_to_a, copy_tile, half, load_a, load_b_cols, load_b_rows, load_tile, mma,
-    quad_max, quad_sum, stage_accs, store_rows, zero_accs,
+    Frag, Pair, Tile, acc_to_a, copy_tile, half, load_a, load_b_cols, load_b_rows, load_tile, mma,
+    products, quad_max, quad_sum, stage_accs, store_rows, zero_accs,
 };
-use super::{block_full, mma_units};
+use super::{block_full, mma_units, plane_tiles};
 
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(clippy::too_many_arguments)]
@@ -46,6 +47,9 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
     let units = comptime![mma_units(t)];
     let ksteps = comptime![t.head_dim as usize / 16];
     let sn = comptime![t.cols as usize / 8];
+    let mt = comptime![plane_tiles(t)];
+    // Rows of the plane each lane holds statistics for: two per tile.
+    let rl = comptime![2 * mt];
     let lane = UNIT_POS_PLANE as usize;
     let plane = UNIT_POS as usize / 32;
     let (b, h, qb) = cube_coords(q_blocks, heads, batch, true, t);
@@ -81,30 +85,35 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
             units,
         );
         sync_cube();
-        let row0 = plane * 16;
+        let row0 = plane * comptime![16 * mt];
+        // Single-tile planes keep their query fragments in registers for
+        // every key block; two-tile planes read them from the tile each
+        // block (their registers hold twice the scores and outputs).
         let mut q_frags = Sequence::<Frag<F>>::new();
-        #[unroll]
-        for ks in 0..ksteps {
-            q_frags.push(load_a::<F, N>(&smem_q, row0, ks * 16, pitch));
-        }
-
-        // This lane's rows: `top` and `top + 8` of the plane's 16.
-        let top = q0 + row0 + lane / 4;
-        let col = (lane % 4) * 2;
-        let mut m_top = comptime![MASKED].runtime();
-        let mut m_bot = comptime![MASKED].runtime();
-        // Per-lane partial sums; the sink's term counts once per row.
-        let mut l_top = 0.0f32;
-        let mut l_bot = 0.0f32;
-        if comptime![t.sinks] {
-            m_top = sinks[h];
-            m_bot = m_top;
-            if col == 0 {
-                l_top = 1.0f32;
-                l_bot = 1.0f32;
+        if comptime![mt == 1] {
+            #[unroll]
+            for ks in 0..ksteps {
+                q_frags.push(load_a::<F, N>(&smem_q, row0, ks * 16, pitch));
             }
         }
-        let mut o = zero_accs(vecs);
+
+        // This lane's rows: `top + 16·m` and `top + 16·m + 8` of tile `m`
+        // of the plane, kept in the row statistics at `2·m` and `2·m + 1`.
+        let top = q0 + row0 + lane / 4;
+        let col = (lane % 4) * 2;
+        let mut m_run = Array::<f32>::new(rl);
+        // Per-lane partial sums; the sink's term counts once per row.
+        let mut l_run = Array::<f32>::new(rl);
+        #[unroll]
+        for r in 0..rl {
+            m_run[r] = MASKED;
+            l_run[r] = 0.0f32;
+            if comptime![t.sinks] {
+                m_run[r] = sinks[h];
+                l_run[r] = select(col == 0, 1.0f32, 0.0f32);
+            }
+        }
+        let mut o = zero_accs(comptime![mt * vecs]);
 
         if kb_first < kb_end {
             copy_block::<F, N>(
@@ -143,24 +152,7 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
                 );
             }
 
-            let mut s = zero_accs(sn);
-            #[unroll]
-            for ks in 0..ksteps {
-                #[unroll]
-                for np in 0..comptime![sn / 2] {
-                    let pair = load_b_rows::<F, N>(&smem_k, stage + np * 16, ks * 16, pitch);
-                    mma::<F>(
-                        q_frags.index(ks),
-                        &half::<F>(&pair, 0usize),
-                        s.index_mut(2 * np),
-                    );
-                    mma::<F>(
-                        q_frags.index(ks),
-                        &half::<F>(&pair, 2usize),
-                        s.index_mut(2 * np + 1),
-                    );
-                }
-            }
+            let mut s = block_scores::<F, N>(&q_frags, &smem_q, row0, &smem_k, stage, pitch, mt, t);
 
             // Scale, mask where the block is not entirely visible, and take
             // the block's row maxima.
@@ -173,121 +165,205 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
                 window,
                 t,
             );
-            let mut bm_top = comptime![MASKED].runtime();
-            let mut bm_bot = comptime![MASKED].runtime();
+            let mut blk = Array::<f32>::new(rl);
             #[unroll]
-            for nt in 0..sn {
-                let acc = s.index_mut(nt);
-                let mut x = acc[0usize] * Pair::<f32>::new(scale);
-                let mut y = acc[1usize] * Pair::<f32>::new(scale);
-                if !full {
-                    let key = k0 + nt * 8 + col;
+            for r in 0..rl {
+                blk[r] = MASKED;
+            }
+            #[unroll]
+            for m in 0..mt {
+                #[unroll]
+                for nt in 0..sn {
+                    let acc = s.index_mut(m * sn + nt);
                     #[unroll]
-                    for e in 0..2usize {
-                        let ok_top = allowed(top + offset, key + e, klen, window, t);
-                        let ok_bot = allowed(top + 8 + offset, key + e, klen, window, t);
-                        x[e] = select(ok_top, x[e], MASKED);
-                        y[e] = select(ok_bot, y[e], MASKED);
+                    for hr in 0..2usize {
+                        let mut x = acc[hr] * Pair::<f32>::new(scale);
+                        if !full {
+                            let key = k0 + nt * 8 + col;
+                            let row = top + m * 16 + hr * 8 + offset;
+                            #[unroll]
+                            for e in 0..2usize {
+                                let ok = allowed(row, key + e, klen, window, t);
+                                x[e] = select(ok, x[e], MASKED);
+                            }
+                        }
+                        let r = 2 * m + hr;
+                        blk[r] = f32::max(blk[r], f32::max(x[0usize], x[1usize]));
+                        acc[hr] = x;
                     }
                 }
-                bm_top = f32::max(bm_top, f32::max(x[0usize], x[1usize]));
-                bm_bot = f32::max(bm_bot, f32::max(y[0usize], y[1usize]));
-                acc[0usize] = x;
-                acc[1usize] = y;
             }
-            let blk_top = quad_max(bm_top);
-            let blk_bot = quad_max(bm_bot);
             // The plane keeps its running maxima (and skips rescaling the
             // output and sums) unless a row's block maximum passes its
             // own by more than RESCALE_SLACK: the probabilities then stay
             // below e^RESCALE_SLACK, and output, sum and lse all share the
             // stale reference, so the result is the same.
-            let grows = blk_top > m_top + RESCALE_SLACK || blk_bot > m_bot + RESCALE_SLACK;
+            let mut grows = false;
+            #[unroll]
+            for r in 0..rl {
+                blk[r] = quad_max(blk[r]);
+                grows = grows || blk[r] > m_run[r] + RESCALE_SLACK;
+            }
             if plane_any(grows) {
-                let new_top = f32::max(m_top, blk_top);
-                let new_bot = f32::max(m_bot, blk_bot);
-                // A row that has seen only masked keys keeps a reference
-                // of 0 (below), so its old terms scale by exp(MASKED) = 0.
-                let alpha_top = f32::exp(m_top - reference(new_top));
-                let alpha_bot = f32::exp(m_bot - reference(new_bot));
-                m_top = new_top;
-                m_bot = new_bot;
-                l_top *= alpha_top;
-                l_bot *= alpha_bot;
                 #[unroll]
-                for nt in 0..vecs {
-                    let acc = o.index_mut(nt);
-                    acc[0usize] = acc[0usize] * Pair::<f32>::new(alpha_top);
-                    acc[1usize] = acc[1usize] * Pair::<f32>::new(alpha_bot);
+                for m in 0..mt {
+                    let mut alpha = Array::<f32>::new(2usize);
+                    #[unroll]
+                    for hr in 0..2usize {
+                        let r = 2 * m + hr;
+                        let new = f32::max(m_run[r], blk[r]);
+                        // A row that has seen only masked keys keeps a
+                        // reference of 0 (below), so its old terms scale
+                        // by exp(MASKED) = 0.
+                        alpha[hr] = f32::exp(m_run[r] - reference(new));
+                        m_run[r] = new;
+                        l_run[r] = l_run[r] * alpha[hr];
+                    }
+                    #[unroll]
+                    for nt in 0..vecs {
+                        let acc = o.index_mut(m * vecs + nt);
+                        acc[0usize] = acc[0usize] * Pair::<f32>::new(alpha[0usize]);
+                        acc[1usize] = acc[1usize] * Pair::<f32>::new(alpha[1usize]);
+                    }
                 }
             }
-            let use_top = reference(m_top);
-            let use_bot = reference(m_bot);
-            let mut sum_top = 0.0f32;
-            let mut sum_bot = 0.0f32;
             #[unroll]
-            for nt in 0..sn {
-                let acc = s.index_mut(nt);
-                let x = (acc[0usize] - Pair::<f32>::new(use_top)).exp();
-                let y = (acc[1usize] - Pair::<f32>::new(use_bot)).exp();
-                sum_top += x[0usize] + x[1usize];
-                sum_bot += y[0usize] + y[1usize];
-                acc[0usize] = x;
-                acc[1usize] = y;
+            for m in 0..mt {
+                #[unroll]
+                for hr in 0..2usize {
+                    let r = 2 * m + hr;
+                    let use_m = reference(m_run[r]);
+                    let mut sum = 0.0f32;
+                    #[unroll]
+                    for nt in 0..sn {
+                        let acc = s.index_mut(m * sn + nt);
+                        let x = (acc[hr] - Pair::<f32>::new(use_m)).exp();
+                        sum += x[0usize] + x[1usize];
+                        acc[hr] = x;
+                    }
+                    l_run[r] = l_run[r] + sum;
+                }
             }
-            l_top += sum_top;
-            l_bot += sum_bot;
 
             #[unroll]
             for kk in 0..comptime![sn / 2] {
-                let p = acc_to_a::<F>(&s, kk);
+                let mut p = Sequence::<Frag<F>>::new();
+                #[unroll]
+                for m in 0..mt {
+                    p.push(acc_to_a::<F>(&s, comptime![m * sn / 2 + kk]));
+                }
                 #[unroll]
                 for dp in 0..comptime![vecs / 2] {
                     let pair = load_b_cols::<F, N>(&smem_v, stage + kk * 16, dp * 16, pitch);
-                    mma::<F>(&p, &half::<F>(&pair, 0usize), o.index_mut(2 * dp));
-                    mma::<F>(&p, &half::<F>(&pair, 2usize), o.index_mut(2 * dp + 1));
+                    #[unroll]
+                    for m in 0..mt {
+                        let pm = p.index(m);
+                        mma::<F>(
+                            pm,
+                            &half::<F>(&pair, 0usize),
+                            o.index_mut(m * vecs + 2 * dp),
+                        );
+                        mma::<F>(
+                            pm,
+                            &half::<F>(&pair, 2usize),
+                            o.index_mut(m * vecs + 2 * dp + 1),
+                        );
+                    }
                 }
             }
         }
 
-        let l_top = quad_sum(l_top);
-        let l_bot = quad_sum(l_bot);
-        // A row that sees no key (and has no sink) outputs zeros, as
-        // Burn's masked softmax does.
-        let inv_top = select(l_top > 0.0f32, 1.0f32 / l_top, 0.0f32);
-        let inv_bot = select(l_bot > 0.0f32, 1.0f32 / l_bot, 0.0f32);
         // The plane's own rows of the query tile hold its output now.
-        stage_accs::<F, N>(
-            &o,
-            &mut smem_q,
-            row0,
-            0usize,
-            inv_top,
-            inv_bot,
-            0usize,
-            vecs,
-            pitch,
-        );
+        let mut inv = Array::<f32>::new(rl);
+        #[unroll]
+        for r in 0..rl {
+            let l = quad_sum(l_run[r]);
+            l_run[r] = l;
+            // A row that sees no key (and has no sink) outputs zeros, as
+            // Burn's masked softmax does.
+            inv[r] = select(l > 0.0f32, 1.0f32 / l, 0.0f32);
+        }
+        #[unroll]
+        for m in 0..mt {
+            stage_accs::<F, N>(
+                &o,
+                &mut smem_q,
+                row0 + m * 16,
+                0usize,
+                inv[2 * m],
+                inv[2 * m + 1],
+                comptime![m * vecs],
+                vecs,
+                pitch,
+            );
+        }
         sync_plane();
-        store_rows::<F, N>(
-            &smem_q,
-            row0,
-            out,
-            b * strides[9usize] + h * strides[10usize],
-            strides[11usize],
-            q0 + row0,
-            seq_q,
-            vecs,
-        );
+        #[unroll]
+        for m in 0..mt {
+            store_rows::<F, N>(
+                &smem_q,
+                row0 + m * 16,
+                out,
+                b * strides[9usize] + h * strides[10usize],
+                strides[11usize],
+                q0 + row0 + m * 16,
+                seq_q,
+                vecs,
+            );
+        }
         if col == 0 {
             let stat = (b * heads + h) * seq_q;
-            if top < seq_q {
-                lse[stat + top] = select(l_top > 0.0f32, m_top + f32::ln(l_top), MASKED);
-            }
-            if top + 8 < seq_q {
-                lse[stat + top + 8] = select(l_bot > 0.0f32, m_bot + f32::ln(l_bot), MASKED);
+            #[unroll]
+            for r in 0..rl {
+                let row = top + (r / 2) * 16 + (r % 2) * 8;
+                let l = l_run[r];
+                if row < seq_q {
+                    lse[stat + row] = select(l > 0.0f32, m_run[r] + f32::ln(l), MASKED);
+                }
             }
         }
+    }
+}
+
+/// The scores of one key block, `mt·sn` accumulators (tile `m` of the
+/// plane at `m·sn`): single-tile planes multiply their register query
+/// fragments, two-tile planes read theirs from the query tile.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn block_scores<F: Float, N: Size>(
+    q_frags: &Sequence<Frag<F>>,
+    smem_q: &Tile<F, N>,
+    row0: usize,
+    smem_k: &Tile<F, N>,
+    stage: usize,
+    #[comptime] pitch: usize,
+    #[comptime] mt: usize,
+    #[comptime] t: AttnTile,
+) -> Sequence<Frag<f32>> {
+    let sn = comptime![t.cols as usize / 8];
+    let ksteps = comptime![t.head_dim as usize / 16];
+    if comptime![mt == 1] {
+        let mut s = zero_accs(sn);
+        #[unroll]
+        for ks in 0..ksteps {
+            #[unroll]
+            for np in 0..comptime![sn / 2] {
+                let pair = load_b_rows::<F, N>(smem_k, stage + np * 16, ks * 16, pitch);
+                mma::<F>(
+                    q_frags.index(ks),
+                    &half::<F>(&pair, 0usize),
+                    s.index_mut(2 * np),
+                );
+                mma::<F>(
+                    q_frags.index(ks),
+                    &half::<F>(&pair, 2usize),
+                    s.index_mut(2 * np + 1),
+                );
+            }
+        }
+        s
+    } else {
+        products::<F, N>(smem_q, row0, smem_k, stage, mt, sn, ksteps, pitch)
     }
 }
 

@@ -35,12 +35,18 @@ use crate::{FloatDtype, KernelError, launch};
 /// global and shared memory traffic.
 const VEC: usize = 8;
 
-/// One launch configuration: `planes` planes of 16 rows each own the
-/// cube's rows; the other side streams in blocks of `cols` rows.
+/// One launch configuration: `planes` planes of `16·tiles` rows each own
+/// the cube's rows; the other side streams in blocks of `cols` rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct MmaLaunch {
     pub planes: u32,
     pub cols: u32,
+    /// Forward only, 1 or 2: the 16-row tiles each plane owns. Two tiles
+    /// share every key and value fragment a plane reads (a third fewer
+    /// shared-memory reads per product, twice the independent products)
+    /// and read their queries from shared memory each block, leaving the
+    /// registers to the doubled scores and outputs.
+    pub tiles: u32,
     /// Backward only: one fused kernel forms dK, dV and dQ (the last added
     /// into an f32 accumulator with atomics: five products per block pair,
     /// the last bits of dQ varying from run to run), its planes in tiles of
@@ -51,15 +57,15 @@ pub struct MmaLaunch {
 
 impl MmaLaunch {
     fn rows(&self) -> usize {
-        16 * self.planes as usize
+        16 * (self.planes * self.tiles) as usize
     }
 
     fn tile(&self, problem: &AttentionProblem) -> AttnTile {
         AttnTile {
             rows: self.rows() as u32,
             cols: self.cols,
-            // Units per 16 rows of the tile: one plane.
-            upr: 32,
+            // Units per 16 rows of the tile: one plane over its `tiles`.
+            upr: 32 / self.tiles,
             head_dim: problem.head_dim as u32,
             pitch: (problem.head_dim / VEC + 1) as u32,
             causal: problem.causal,
@@ -100,6 +106,11 @@ impl MmaLaunch {
         if self.planes == 0 || self.cols == 0 || !self.cols.is_multiple_of(16) {
             return Err(KernelError::Unsupported(format!(
                 "{self:?}: blocks must be whole 16-row fragments"
+            )));
+        }
+        if !(self.tiles == 1 || self.tiles == 2 && !backward) {
+            return Err(KernelError::Unsupported(format!(
+                "{self:?}: planes own one 16-row tile, or two in the forward"
             )));
         }
         if self.fused_dq {
@@ -415,35 +426,44 @@ pub fn candidates<R: Runtime>(
     problem: &AttentionProblem,
     backward: bool,
 ) -> Vec<MmaLaunch> {
-    let shapes: &[(u32, u32, bool)] = if backward {
+    // (planes, cols, tiles, fused_dq)
+    let shapes: &[(u32, u32, u32, bool)] = if backward {
         // Fused and separate forms alternate, so a rotation through the
         // list exercises both.
         &[
-            (8, 64, true),
-            (8, 32, false),
-            (4, 64, true),
-            (4, 32, false),
-            (8, 32, true),
-            (8, 16, false),
-            (4, 32, true),
-            (4, 16, false),
-            (2, 32, false),
+            (8, 64, 1, true),
+            (8, 32, 1, false),
+            (4, 64, 1, true),
+            (4, 32, 1, false),
+            (8, 32, 1, true),
+            (8, 16, 1, false),
+            (4, 32, 1, true),
+            (4, 16, 1, false),
+            (2, 32, 1, false),
         ]
     } else {
+        // One- and two-tile planes alternate, for the same reason. Two
+        // tiles by 64 keys outgrow the registers of a 255-register lane
+        // (two tiles by 32 keys take about 250).
         &[
-            (4, 64, false),
-            (4, 32, false),
-            (8, 64, false),
-            (8, 32, false),
-            (12, 64, false),
-            (8, 128, false),
+            (4, 64, 1, false),
+            (4, 32, 2, false),
+            (4, 32, 1, false),
+            (2, 32, 2, false),
+            (8, 64, 1, false),
+            (4, 16, 2, false),
+            (8, 32, 1, false),
+            (8, 32, 2, false),
+            (12, 64, 1, false),
+            (8, 128, 1, false),
         ]
     };
     shapes
         .iter()
-        .map(|&(planes, cols, fused_dq)| MmaLaunch {
+        .map(|&(planes, cols, tiles, fused_dq)| MmaLaunch {
             planes,
             cols,
+            tiles,
             fused_dq,
         })
         .filter(|c| c.check(client, problem, backward).is_ok())
@@ -516,10 +536,15 @@ pub fn backward<R: Runtime>(
     )
 }
 
-/// The units of a tensor-core cube: `upr` (one plane) per 16 rows of the
-/// tile.
+/// The units of a tensor-core cube: `upr` (one plane over its tiles) per
+/// 16 rows of the tile.
 pub(crate) fn mma_units(t: AttnTile) -> usize {
     t.rows as usize / 16 * t.upr as usize
+}
+
+/// The 16-row tiles each plane of a tensor-core cube owns.
+pub(crate) fn plane_tiles(t: AttnTile) -> usize {
+    32 / t.upr as usize
 }
 
 /// Whether every query position in `[q_first, q_last]` sees every key in
