@@ -24,7 +24,7 @@ use super::super::forward::query_block_keys;
 use super::super::tile::{AttnTile, allowed, cube_coords, key_count};
 use super::forward::copy_block;
 use super::fragment::{
-    Frag, Pair, Tile, acc_to_a, copy_tile, half, load_b_cols, load_tile, mma, products, stage_accs,
+    Frag, Pair, Tile, acc_to_a, copy_tile, load_b_cols, load_tile, mma_pair, products, stage_accs,
     store_rows, zero_accs,
 };
 use super::{block_full, mma_units};
@@ -57,8 +57,7 @@ fn accumulate_rows<F: Float, N: Size>(
         #[unroll]
         for dp in 0..comptime![vecs / 2] {
             let pair = load_b_cols::<F, N>(tile, first + kk * 16, dp * 16, pitch);
-            mma::<F>(&a, &half::<F>(&pair, 0usize), acc.index_mut(2 * dp));
-            mma::<F>(&a, &half::<F>(&pair, 2usize), acc.index_mut(2 * dp + 1));
+            mma_pair::<F>(&a, &pair, acc, comptime![2 * dp]);
         }
     }
 }

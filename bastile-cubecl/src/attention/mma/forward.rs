@@ -13,7 +13,7 @@ use cubecl::prelude::*;
 use super::super::forward::query_block_keys;
 use super::super::tile::{AttnTile, MASKED, MASKED_BELOW, allowed, cube_coords, key_count};
 use super::fragment::{
-    Frag, Pair, Tile, acc_to_a, copy_tile, half, load_a, load_b_cols, load_b_rows, load_tile, mma,
+    Frag, Pair, Tile, acc_to_a, copy_tile, load_a, load_b_cols, load_b_rows, load_tile, mma_pair,
     products, quad_max, quad_sum, stage_accs, store_rows, zero_accs,
 };
 use super::{block_full, mma_units, plane_tiles};
@@ -257,17 +257,7 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
                     let pair = load_b_cols::<F, N>(&smem_v, stage + kk * 16, dp * 16, pitch);
                     #[unroll]
                     for m in 0..mt {
-                        let pm = p.index(m);
-                        mma::<F>(
-                            pm,
-                            &half::<F>(&pair, 0usize),
-                            o.index_mut(m * vecs + 2 * dp),
-                        );
-                        mma::<F>(
-                            pm,
-                            &half::<F>(&pair, 2usize),
-                            o.index_mut(m * vecs + 2 * dp + 1),
-                        );
+                        mma_pair::<F>(p.index(m), &pair, &mut o, comptime![m * vecs + 2 * dp]);
                     }
                 }
             }
@@ -349,16 +339,7 @@ fn block_scores<F: Float, N: Size>(
             #[unroll]
             for np in 0..comptime![sn / 2] {
                 let pair = load_b_rows::<F, N>(smem_k, stage + np * 16, ks * 16, pitch);
-                mma::<F>(
-                    q_frags.index(ks),
-                    &half::<F>(&pair, 0usize),
-                    s.index_mut(2 * np),
-                );
-                mma::<F>(
-                    q_frags.index(ks),
-                    &half::<F>(&pair, 2usize),
-                    s.index_mut(2 * np + 1),
-                );
+                mma_pair::<F>(q_frags.index(ks), &pair, &mut s, comptime![2 * np]);
             }
         }
         s

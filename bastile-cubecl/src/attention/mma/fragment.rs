@@ -54,18 +54,31 @@ pub(crate) fn zero_accs(#[comptime] n: usize) -> Sequence<Frag<f32>> {
 
 /// `acc += a · b`.
 #[cube]
-pub(crate) fn mma<F: Float>(a: &Frag<F>, b: &Frag<F>, acc: &mut Frag<f32>) {
+fn mma<F: Float>(a: &Frag<F>, b: &Frag<F>, acc: &mut Frag<f32>) {
     mma_def::<F>().execute_inplace(a, b, acc);
 }
 
 /// Registers `first` and `first + 1` of a four-register load: one B
 /// fragment of a paired load.
 #[cube]
-pub(crate) fn half<F: Float>(regs: &Frag<F>, #[comptime] first: usize) -> Frag<F> {
+fn half<F: Float>(regs: &Frag<F>, #[comptime] first: usize) -> Frag<F> {
     let mut out = Array::<Pair<F>>::new(2usize);
     out[0usize] = regs[first];
     out[1usize] = regs[first + 1];
     out
+}
+
+/// `acc[j] += a · B₀` and `acc[j + 1] += a · B₁`, where `B₀` and `B₁` are
+/// the two B fragments of one paired load (registers 0-1 and 2-3).
+#[cube]
+pub(crate) fn mma_pair<F: Float>(
+    a: &Frag<F>,
+    pair: &Frag<F>,
+    acc: &mut Sequence<Frag<f32>>,
+    #[comptime] j: usize,
+) {
+    mma::<F>(a, &half::<F>(pair, 0usize), acc.index_mut(j));
+    mma::<F>(a, &half::<F>(pair, 2usize), acc.index_mut(j + 1));
 }
 
 /// Four 8×8 matrices, lane `l` giving the address of row `l % 8` of
@@ -179,17 +192,7 @@ pub(crate) fn products<F: Float, N: Size>(
             let pair = load_b_rows::<F, N>(b, first + np * 16, ks * 16, pitch);
             #[unroll]
             for m in 0..mt {
-                let frag = frags.index(m);
-                mma::<F>(
-                    frag,
-                    &half::<F>(&pair, 0usize),
-                    acc.index_mut(m * sn + 2 * np),
-                );
-                mma::<F>(
-                    frag,
-                    &half::<F>(&pair, 2usize),
-                    acc.index_mut(m * sn + 2 * np + 1),
-                );
+                mma_pair::<F>(frags.index(m), &pair, &mut acc, comptime![m * sn + 2 * np]);
             }
         }
     }
@@ -232,17 +235,7 @@ pub(crate) fn accumulate_tiles<F: Float, N: Size>(
             let pair = load_b_cols::<F, N>(b, first + ks * 16, col0 + dp * 16, pitch);
             #[unroll]
             for m in 0..mt {
-                let frag = frags.index(m);
-                mma::<F>(
-                    frag,
-                    &half::<F>(&pair, 0usize),
-                    acc.index_mut(m * n + 2 * dp),
-                );
-                mma::<F>(
-                    frag,
-                    &half::<F>(&pair, 2usize),
-                    acc.index_mut(m * n + 2 * dp + 1),
-                );
+                mma_pair::<F>(frags.index(m), &pair, acc, comptime![m * n + 2 * dp]);
             }
         }
     }
