@@ -107,9 +107,10 @@ pub struct Args {
     pub samples: usize,
     /// With `--op attention`: calls per timed sample, back to back (as in
     /// training, where the host queues the next call while the device runs
-    /// this one), spreading the opening launch latency and the closing sync
-    /// over them. `attention_torch.py --calls` takes the same number (and
-    /// the same default).
+    /// this one), spreading each sample's fixed cost (the opening launch,
+    /// the closing sync, and what the fusion backend adds per sample) over
+    /// them. `attention_torch.py --calls` takes the same number (and the
+    /// same default).
     #[arg(long, default_value_t = 10)]
     pub calls: usize,
     /// Train these model presets end to end (random weights, AdamW)
