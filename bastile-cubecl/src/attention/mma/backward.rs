@@ -24,8 +24,8 @@ use super::super::forward::query_block_keys;
 use super::super::tile::{AttnTile, allowed, cube_coords, key_count};
 use super::forward::copy_block;
 use super::fragment::{
-    Frag, Pair, Tile, acc_to_a, copy_tile, load_b_cols, load_tile, mma_pair, products, stage_accs,
-    store_rows, zero_accs,
+    Frag, Pair, Tile, acc_to_a, cols_base, copy_tile, load_b_cols, load_tile, mma_pair, products,
+    stage_accs, store_rows, zero_accs,
 };
 use super::{block_full, mma_units};
 
@@ -51,12 +51,13 @@ fn accumulate_rows<F: Float, N: Size>(
     #[comptime] vecs: usize,
     #[comptime] pitch: usize,
 ) {
+    let at = cols_base(first, 0usize, pitch);
     #[unroll]
     for kk in 0..comptime![sn / 2] {
         let a = acc_to_a::<F>(weights, kk);
         #[unroll]
         for dp in 0..comptime![vecs / 2] {
-            let pair = load_b_cols::<F, N>(tile, first + kk * 16, dp * 16, pitch);
+            let pair = load_b_cols::<F, N>(tile, at, kk * 16, dp * 16, pitch);
             mma_pair::<F>(&a, &pair, acc, comptime![2 * dp]);
         }
     }
@@ -257,6 +258,38 @@ pub(crate) fn softmax_grads(
     #[comptime] sn: usize,
     #[comptime] t: AttnTile,
 ) {
+    // One test per block: a block seen whole runs no per-element check.
+    if full {
+        block_grads(
+            p, ds, smem_stat, first, qoff, q_pos, key_top, klen, window, scale, false, mt, sn, t,
+        );
+    } else {
+        block_grads(
+            p, ds, smem_stat, first, qoff, q_pos, key_top, klen, window, scale, true, mt, sn, t,
+        );
+    }
+}
+
+/// [`softmax_grads`] for one branch of the block's `full` test: with
+/// `masked`, every element is checked.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn block_grads(
+    p: &mut Sequence<Frag<f32>>,
+    ds: &mut Sequence<Frag<f32>>,
+    smem_stat: &SharedMemory<Stat>,
+    first: usize,
+    qoff: usize,
+    q_pos: usize,
+    key_top: usize,
+    klen: usize,
+    window: usize,
+    scale: f32,
+    #[comptime] masked: bool,
+    #[comptime] mt: usize,
+    #[comptime] sn: usize,
+    #[comptime] t: AttnTile,
+) {
     let cols = comptime![t.cols as usize];
     let col = (UNIT_POS_PLANE as usize % 4) * 2;
     let stats = smem_stat.to_slice().with_vector_size::<Const<2>>();
@@ -272,7 +305,7 @@ pub(crate) fn softmax_grads(
             #[unroll]
             for r in 0..2usize {
                 let mut x = fma(s_acc[r], Pair::<f32>::new(scale), neg_lse).exp();
-                if !full {
+                if comptime![masked] {
                     #[unroll]
                     for e in 0..2usize {
                         let c = qoff + nt * 8 + col + e;

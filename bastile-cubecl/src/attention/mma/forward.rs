@@ -13,8 +13,9 @@ use cubecl::prelude::*;
 use super::super::forward::query_block_keys;
 use super::super::tile::{AttnTile, MASKED, MASKED_BELOW, allowed, cube_coords, key_count};
 use super::fragment::{
-    Frag, Pair, Tile, acc_to_a, copy_tile, load_a, load_b_cols, load_b_rows, load_tile, mma_pair,
-    products, quad_max, quad_sum, stage_accs, store_rows, zero_accs,
+    Frag, Pair, Tile, a_base, acc_to_a, cols_base, copy_tile, load_a, load_b_cols, load_b_rows,
+    load_tile, mma_pair, products, quad_max, quad_sum, rows_base, stage_accs, store_rows,
+    zero_accs,
 };
 use super::{block_full, mma_units, plane_tiles};
 
@@ -91,9 +92,10 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
         // block (their registers hold twice the scores and outputs).
         let mut q_frags = Sequence::<Frag<F>>::new();
         if comptime![mt == 1] {
+            let at_q = a_base(row0, 0usize, pitch);
             #[unroll]
             for ks in 0..ksteps {
-                q_frags.push(load_a::<F, N>(&smem_q, row0, ks * 16, pitch));
+                q_frags.push(load_a::<F, N>(&smem_q, at_q, 0usize, ks * 16, pitch));
             }
         }
 
@@ -170,28 +172,34 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
             for r in 0..rl {
                 blk[r] = MASKED;
             }
-            #[unroll]
-            for m in 0..mt {
-                #[unroll]
-                for nt in 0..sn {
-                    let acc = s.index_mut(m * sn + nt);
-                    #[unroll]
-                    for hr in 0..2usize {
-                        let mut x = acc[hr] * Pair::<f32>::new(scale);
-                        if !full {
-                            let key = k0 + nt * 8 + col;
-                            let row = top + m * 16 + hr * 8 + offset;
-                            #[unroll]
-                            for e in 0..2usize {
-                                let ok = allowed(row, key + e, klen, window, t);
-                                x[e] = select(ok, x[e], MASKED);
-                            }
-                        }
-                        let r = 2 * m + hr;
-                        blk[r] = f32::max(blk[r], f32::max(x[0usize], x[1usize]));
-                        acc[hr] = x;
-                    }
-                }
+            // One test per block: a block seen whole runs no per-element
+            // check.
+            if full {
+                scale_scores(
+                    &mut s,
+                    &mut blk,
+                    scale,
+                    k0,
+                    top + offset,
+                    klen,
+                    window,
+                    false,
+                    mt,
+                    t,
+                );
+            } else {
+                scale_scores(
+                    &mut s,
+                    &mut blk,
+                    scale,
+                    k0,
+                    top + offset,
+                    klen,
+                    window,
+                    true,
+                    mt,
+                    t,
+                );
             }
             // The plane keeps its running maxima (and skips rescaling the
             // output and sums) unless a row's block maximum passes its
@@ -245,6 +253,7 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
                 }
             }
 
+            let at_v = cols_base(stage, 0usize, pitch);
             #[unroll]
             for kk in 0..comptime![sn / 2] {
                 let mut p = Sequence::<Frag<F>>::new();
@@ -254,7 +263,7 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
                 }
                 #[unroll]
                 for dp in 0..comptime![vecs / 2] {
-                    let pair = load_b_cols::<F, N>(&smem_v, stage + kk * 16, dp * 16, pitch);
+                    let pair = load_b_cols::<F, N>(&smem_v, at_v, kk * 16, dp * 16, pitch);
                     #[unroll]
                     for m in 0..mt {
                         mma_pair::<F>(p.index(m), &pair, &mut o, comptime![m * vecs + 2 * dp]);
@@ -315,6 +324,51 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
     }
 }
 
+/// Scales a block's scores (keys from `k0`; the lane's first row at
+/// `row_top` in key positions) in place and takes their row maxima into
+/// `blk`; with `masked`, scores of keys the row may not see become
+/// `MASKED`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn scale_scores(
+    s: &mut Sequence<Frag<f32>>,
+    blk: &mut Array<f32>,
+    scale: f32,
+    k0: usize,
+    row_top: usize,
+    klen: usize,
+    window: usize,
+    #[comptime] masked: bool,
+    #[comptime] mt: usize,
+    #[comptime] t: AttnTile,
+) {
+    let sn = comptime![t.cols as usize / 8];
+    let col = (UNIT_POS_PLANE as usize % 4) * 2;
+    #[unroll]
+    for m in 0..mt {
+        #[unroll]
+        for nt in 0..sn {
+            let acc = s.index_mut(m * sn + nt);
+            #[unroll]
+            for hr in 0..2usize {
+                let mut x = acc[hr] * Pair::<f32>::new(scale);
+                if comptime![masked] {
+                    let key = k0 + nt * 8 + col;
+                    let row = row_top + m * 16 + hr * 8;
+                    #[unroll]
+                    for e in 0..2usize {
+                        let ok = allowed(row, key + e, klen, window, t);
+                        x[e] = select(ok, x[e], MASKED);
+                    }
+                }
+                let r = 2 * m + hr;
+                blk[r] = f32::max(blk[r], f32::max(x[0usize], x[1usize]));
+                acc[hr] = x;
+            }
+        }
+    }
+}
+
 /// The scores of one key block, `mt·sn` accumulators (tile `m` of the
 /// plane at `m·sn`): single-tile planes multiply their register query
 /// fragments, two-tile planes read theirs from the query tile.
@@ -334,11 +388,12 @@ fn block_scores<F: Float, N: Size>(
     let ksteps = comptime![t.head_dim as usize / 16];
     if comptime![mt == 1] {
         let mut s = zero_accs(sn);
+        let at_k = rows_base(stage, 0usize, pitch);
         #[unroll]
         for ks in 0..ksteps {
             #[unroll]
             for np in 0..comptime![sn / 2] {
-                let pair = load_b_rows::<F, N>(smem_k, stage + np * 16, ks * 16, pitch);
+                let pair = load_b_rows::<F, N>(smem_k, at_k, np * 16, ks * 16, pitch);
                 mma_pair::<F>(q_frags.index(ks), &pair, &mut s, comptime![2 * np]);
             }
         }

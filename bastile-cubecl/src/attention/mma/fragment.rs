@@ -98,68 +98,98 @@ fn ldmatrix_x4<F: Float, N: Size>(
     )
 }
 
-/// The A fragment of rows `row0 .. row0 + 16`, columns `col0 .. col0 + 16`
-/// of a row-major tile (`col0` a multiple of 8; `pitch` in vectors).
+// Fragment addresses. Each load below reads at `base + offset`: `base`
+// (from one of the `*_base` functions) holds the lane's part of the
+// address and the runtime rows and columns, computed once per tile and
+// block; `offset` is a compile-time constant, so every `ldmatrix` of a
+// block shares one register and folds its offset into the instruction.
+// (Were the lane's bits and the constants added term by term, the
+// compiler would merge them bitwise and recompute each address.)
+
+/// The base of [`load_a`] reads: A fragments of a row-major tile whose
+/// rows start at `row0` and columns at `col0` (a multiple of 8). Lanes
+/// 0-15 give the rows of the left 8 columns, 16-31 the right.
+#[cube]
+pub(crate) fn a_base(row0: usize, col0: usize, #[comptime] pitch: usize) -> usize {
+    let lane = UNIT_POS_PLANE as usize;
+    (row0 + lane % 16) * pitch + col0 / 8 + lane / 16
+}
+
+/// The base of [`load_b_rows`] reads from rows `row0 ..` (the product's
+/// columns), columns `col0 ..`; also of [`load_a_trans`] reads of a
+/// transposed A whose first row is `row0` and first column `col0`, with
+/// the arguments swapped (`rows_base(col0, row0, pitch)`).
+#[cube]
+pub(crate) fn rows_base(row0: usize, col0: usize, #[comptime] pitch: usize) -> usize {
+    let lane = UNIT_POS_PLANE as usize;
+    (row0 + (lane / 16) * 8 + lane % 8) * pitch + col0 / 8 + (lane / 8) % 2
+}
+
+/// The base of [`load_b_cols`] reads from rows `row0 ..` (the reduction),
+/// columns `col0 ..` (the product's columns).
+#[cube]
+pub(crate) fn cols_base(row0: usize, col0: usize, #[comptime] pitch: usize) -> usize {
+    let lane = UNIT_POS_PLANE as usize;
+    (row0 + ((lane / 8) % 2) * 8 + lane % 8) * pitch + col0 / 8 + lane / 16
+}
+
+/// The A fragment of rows `row .. row + 16`, columns `col .. col + 16`
+/// past the base's (`col` a multiple of 8; `pitch` in vectors).
 #[cube]
 pub(crate) fn load_a<F: Float, N: Size>(
     tile: &Tile<F, N>,
-    row0: usize,
-    col0: usize,
+    base: usize,
+    #[comptime] row: usize,
+    #[comptime] col: usize,
     #[comptime] pitch: usize,
 ) -> Frag<F> {
-    let lane = UNIT_POS_PLANE as usize;
-    // Lanes 0-15 give the rows of the left 8 columns, 16-31 the right.
-    let idx = (row0 + lane % 16) * pitch + col0 / 8 + lane / 16;
-    ldmatrix_x4::<F, N>(tile, idx, false)
+    ldmatrix_x4::<F, N>(tile, base + comptime![row * pitch + col / 8], false)
 }
 
-/// The A fragment of rows `row0 .. row0 + 16`, columns `col0 .. col0 + 16`
-/// of a matrix stored transposed (tile row `c` holds column `c`; `row0` a
-/// multiple of 8), as `dS` read from a `dSᵀ` tile.
+/// The A fragment of rows `row .. row + 16`, columns `col .. col + 16`
+/// past the base's, of a matrix stored transposed (tile row `c` holds
+/// column `c`; `row` a multiple of 8), as `dS` read from a `dSᵀ` tile.
+/// Matrix `j = lane / 8` covers rows `8·(j % 2)` and columns `8·(j / 2)`
+/// of the fragment.
 #[cube]
 pub(crate) fn load_a_trans<F: Float, N: Size>(
     tile: &Tile<F, N>,
-    row0: usize,
-    col0: usize,
+    base: usize,
+    #[comptime] row: usize,
+    #[comptime] col: usize,
     #[comptime] pitch: usize,
 ) -> Frag<F> {
-    let lane = UNIT_POS_PLANE as usize;
-    // Matrix `j = lane / 8` covers rows `8·(j % 2)` and columns `8·(j / 2)`
-    // of the fragment: tile rows `col0 + 8·(j / 2) ..`, one vector each.
-    let idx = (col0 + (lane / 16) * 8 + lane % 8) * pitch + row0 / 8 + (lane / 8) % 2;
-    ldmatrix_x4::<F, N>(tile, idx, true)
+    ldmatrix_x4::<F, N>(tile, base + comptime![col * pitch + row / 8], true)
 }
 
 /// Two B fragments (registers 0-1 and 2-3) from a tile whose rows are the
 /// product's columns (`Xᵀ` of a row-major `X`, as `K` in `Q·Kᵀ`): the
-/// reduction runs over columns `col0 .. col0 + 16`, the two fragments over
-/// rows `row0 .. row0 + 8` and `row0 + 8 .. row0 + 16`.
+/// reduction runs over columns `col .. col + 16` past the base's, the two
+/// fragments over rows `row .. row + 8` and `row + 8 .. row + 16`.
 #[cube]
 pub(crate) fn load_b_rows<F: Float, N: Size>(
     tile: &Tile<F, N>,
-    row0: usize,
-    col0: usize,
+    base: usize,
+    #[comptime] row: usize,
+    #[comptime] col: usize,
     #[comptime] pitch: usize,
 ) -> Frag<F> {
-    let lane = UNIT_POS_PLANE as usize;
-    let idx = (row0 + (lane / 16) * 8 + lane % 8) * pitch + col0 / 8 + (lane / 8) % 2;
-    ldmatrix_x4::<F, N>(tile, idx, false)
+    ldmatrix_x4::<F, N>(tile, base + comptime![row * pitch + col / 8], false)
 }
 
 /// Two B fragments (registers 0-1 and 2-3) from a row-major tile used as
-/// is (`V` in `P·V`): the reduction runs over rows `row0 .. row0 + 16`,
-/// the two fragments over columns `col0 .. col0 + 8` and `col0 + 8 ..
-/// col0 + 16`.
+/// is (`V` in `P·V`): the reduction runs over rows `row .. row + 16` past
+/// the base's, the two fragments over columns `col .. col + 8` and
+/// `col + 8 .. col + 16`.
 #[cube]
 pub(crate) fn load_b_cols<F: Float, N: Size>(
     tile: &Tile<F, N>,
-    row0: usize,
-    col0: usize,
+    base: usize,
+    #[comptime] row: usize,
+    #[comptime] col: usize,
     #[comptime] pitch: usize,
 ) -> Frag<F> {
-    let lane = UNIT_POS_PLANE as usize;
-    let idx = (row0 + ((lane / 8) % 2) * 8 + lane % 8) * pitch + col0 / 8 + lane / 16;
-    ldmatrix_x4::<F, N>(tile, idx, true)
+    ldmatrix_x4::<F, N>(tile, base + comptime![row * pitch + col / 8], true)
 }
 
 /// `mt·sn` accumulators of `A·Bᵀ` (accumulator `m·sn + n`): rows
@@ -180,16 +210,18 @@ pub(crate) fn products<F: Float, N: Size>(
     #[comptime] pitch: usize,
 ) -> Sequence<Frag<f32>> {
     let mut acc = zero_accs(mt * sn);
+    let at_a = a_base(row0, 0usize, pitch);
+    let at_b = rows_base(first, 0usize, pitch);
     #[unroll]
     for ks in 0..ksteps {
         let mut frags = Sequence::<Frag<F>>::new();
         #[unroll]
         for m in 0..mt {
-            frags.push(load_a::<F, N>(a, row0 + m * 16, ks * 16, pitch));
+            frags.push(load_a::<F, N>(a, at_a, m * 16, ks * 16, pitch));
         }
         #[unroll]
         for np in 0..comptime![sn / 2] {
-            let pair = load_b_rows::<F, N>(b, first + np * 16, ks * 16, pitch);
+            let pair = load_b_rows::<F, N>(b, at_b, np * 16, ks * 16, pitch);
             #[unroll]
             for m in 0..mt {
                 mma_pair::<F>(frags.index(m), &pair, &mut acc, comptime![m * sn + 2 * np]);
@@ -219,20 +251,26 @@ pub(crate) fn accumulate_tiles<F: Float, N: Size>(
     #[comptime] n: usize,
     #[comptime] ksteps: usize,
 ) {
+    let at_a = if comptime![trans_a] {
+        rows_base(0usize, row0, a_pitch)
+    } else {
+        a_base(row0, 0usize, a_pitch)
+    };
+    let at_b = cols_base(first, col0, pitch);
     #[unroll]
     for ks in 0..ksteps {
         let mut frags = Sequence::<Frag<F>>::new();
         #[unroll]
         for m in 0..mt {
             if comptime![trans_a] {
-                frags.push(load_a_trans::<F, N>(a, row0 + m * 16, ks * 16, a_pitch));
+                frags.push(load_a_trans::<F, N>(a, at_a, m * 16, ks * 16, a_pitch));
             } else {
-                frags.push(load_a::<F, N>(a, row0 + m * 16, ks * 16, a_pitch));
+                frags.push(load_a::<F, N>(a, at_a, m * 16, ks * 16, a_pitch));
             }
         }
         #[unroll]
         for dp in 0..comptime![n / 2] {
-            let pair = load_b_cols::<F, N>(b, first + ks * 16, col0 + dp * 16, pitch);
+            let pair = load_b_cols::<F, N>(b, at_b, ks * 16, dp * 16, pitch);
             #[unroll]
             for m in 0..mt {
                 mma_pair::<F>(frags.index(m), &pair, acc, comptime![m * n + 2 * dp]);
@@ -381,22 +419,49 @@ pub(crate) fn copy_tile<F: Float, N: Size>(
 ) {
     let pitch = comptime![vecs + 1];
     let total = comptime![rows * vecs];
-    #[unroll]
-    for it in 0..comptime![total.div_ceil(units)] {
-        let i = UNIT_POS as usize + it * units;
-        if i < total {
-            let r = i / vecs;
-            let c = i % vecs;
-            let dst = (row0 + r) * pitch + c;
-            if first + r < limit {
-                let at = base + (first + r) * stride + c;
-                copy_async(
-                    &src.slice(at, at + 1),
-                    &mut tile.slice_mut(dst, dst + 1),
-                    8u32,
-                );
-            } else {
-                tile[dst] = Vector::<F, N>::new(F::cast_from(0.0f32));
+    // Where the units cover whole rows per round, a block entirely inside
+    // the sequence (every block but the last) takes the unchecked path:
+    // one source address per unit, then a multiple of the row stride per
+    // round, with no per-row branch or zero store in the block loop.
+    let step = comptime![(units / vecs).max(1)];
+    let mut whole = false;
+    if comptime![units.is_multiple_of(vecs) && total.is_multiple_of(units)] {
+        whole = first + rows <= limit;
+    }
+    if whole {
+        let r = UNIT_POS as usize / vecs;
+        let c = UNIT_POS as usize % vecs;
+        let from = base + (first + r) * stride + c;
+        let to = (row0 + r) * pitch + c;
+        let jump = step * stride;
+        #[unroll]
+        for it in 0..comptime![rows / step] {
+            let at = from + it * jump;
+            let dst = to + comptime![it * step * pitch];
+            copy_async(
+                &src.slice(at, at + 1),
+                &mut tile.slice_mut(dst, dst + 1),
+                8u32,
+            );
+        }
+    } else {
+        #[unroll]
+        for it in 0..comptime![total.div_ceil(units)] {
+            let i = UNIT_POS as usize + it * units;
+            if i < total {
+                let r = i / vecs;
+                let c = i % vecs;
+                let dst = (row0 + r) * pitch + c;
+                if first + r < limit {
+                    let at = base + (first + r) * stride + c;
+                    copy_async(
+                        &src.slice(at, at + 1),
+                        &mut tile.slice_mut(dst, dst + 1),
+                        8u32,
+                    );
+                } else {
+                    tile[dst] = Vector::<F, N>::new(F::cast_from(0.0f32));
+                }
             }
         }
     }

@@ -15,8 +15,9 @@
 //! 2. `dV += Pᵀ·dO` and `dK += dSᵀ·Q`, each plane owning 32 keys by half
 //!    the head dim of both accumulators, for the whole loop.
 //! 3. `dQ += dS·K` (`dS` read transposed from the `dSᵀ` tile), each plane
-//!    taking 32 queries by a slice of the head dim, added into the f32
-//!    accumulator `dq_acc` with 16-byte atomics; the Δ kernel zeroes it
+//!    taking 32 queries by a slice of the head dim, staged in shared
+//!    memory and added into the f32 accumulator `dq_acc` with 16-byte
+//!    atomics over whole rows; the Δ kernel zeroes it
 //!    before and `dq_sum` scales and rounds it into dQ after. The order of
 //!    the additions, so the last bits of dQ, vary from run to run.
 
@@ -38,15 +39,25 @@ pub(crate) fn dq_query_planes(cols: usize) -> usize {
     cols / 32
 }
 
+/// f32 per row of a plane's dQ staging tile (`n` accumulators of 8
+/// columns): the tile's width plus 8, so that the pair stores of each
+/// half-plane (rows `g`, columns `2·(lane % 4)`) fall in distinct banks.
+pub(crate) fn dq_stage_pitch(n: usize) -> usize {
+    8 * n + 8
+}
+
 /// Adds a plane's dQ accumulators (`mt = 2` tiles of 16 queries from
 /// `row0` by `n` accumulators of 8 columns from `col0`) into the f32
-/// accumulator, rows from `row_base`. Lanes 2u and 2u + 1 trade halves so
-/// that each holds four neighbouring columns of one row (the even lane of
-/// row `g`, the odd of row `g + 8`): one 16-byte atomic each.
+/// accumulator, rows from `row_base`. The plane stages its tile in
+/// `smem_dq` (its own `32·dq_stage_pitch(n)` f32 from `32·plane` rows),
+/// then every lane adds whole 16-byte runs of rows: each atomic
+/// instruction of the plane covers whole 128-byte lines, from one base
+/// address plus constant offsets.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn add_dq(
     acc: &Sequence<Frag<f32>>,
+    smem_dq: &mut SharedMemory<Quad>,
     dq_acc: &mut Tensor<Atomic<Quad>>,
     row_base: usize,
     row0: usize,
@@ -55,26 +66,42 @@ fn add_dq(
     #[comptime] n: usize,
     #[comptime] d: usize,
 ) {
+    let pitch = comptime![dq_stage_pitch(n)];
     let lane = UNIT_POS_PLANE as usize;
-    let odd = lane % 2 == 1;
-    let col = col0 + (lane % 4) / 2 * 4;
-    #[unroll]
-    for m in 0..2usize {
-        let row = row0 + m * 16 + lane / 4 + select(odd, 8usize, 0usize);
+    let tile0 = (UNIT_POS as usize / 32) * comptime![32 * dq_stage_pitch(n) / 4];
+    {
+        let mut pairs = smem_dq.to_slice_mut().with_vector_size::<Const<2>>();
+        let top = tile0 * 2 + (lane / 4) * comptime![dq_stage_pitch(n) / 2] + lane % 4;
         #[unroll]
-        for j in 0..n {
-            let a = acc.index(m * n + j);
-            let send = select(odd, a[0usize], a[1usize]);
-            let keep = select(odd, a[1usize], a[0usize]);
-            let got0 = plane_shuffle_xor(send[0usize], 1u32);
-            let got1 = plane_shuffle_xor(send[1usize], 1u32);
-            let mut quad = Quad::new(0.0f32);
-            quad[0usize] = select(odd, got0, keep[0usize]);
-            quad[1usize] = select(odd, got1, keep[1usize]);
-            quad[2usize] = select(odd, keep[0usize], got0);
-            quad[3usize] = select(odd, keep[1usize], got1);
-            if row < seq_q {
-                dq_acc[((row_base + row) * d + col + j * 8) / 4].fetch_add(quad);
+        for m in 0..2usize {
+            #[unroll]
+            for j in 0..n {
+                let a = acc.index(m * n + j);
+                pairs[top + comptime![m * 16 * pitch / 2 + j * 4]] = a[0usize];
+                pairs[top + comptime![(m * 16 + 8) * pitch / 2 + j * 4]] = a[1usize];
+            }
+        }
+    }
+    sync_plane();
+    // `2n` quads per row, `16 / n` rows per round of the plane.
+    let per_row = comptime![2 * n];
+    let step = comptime![32 / (2 * n)];
+    let r = lane / per_row;
+    let c = lane % per_row;
+    let from = tile0 + r * comptime![dq_stage_pitch(n) / 4] + c;
+    let to = ((row_base + row0 + r) * d + col0) / 4 + c;
+    if row0 + 32 <= seq_q {
+        #[unroll]
+        for it in 0..comptime![32 / step] {
+            let quad = smem_dq[from + comptime![it * step * pitch / 4]];
+            dq_acc[to + comptime![it * step * d / 4]].fetch_add(quad);
+        }
+    } else {
+        #[unroll]
+        for it in 0..comptime![32 / step] {
+            if row0 + r + it * step < seq_q {
+                let quad = smem_dq[from + comptime![it * step * pitch / 4]];
+                dq_acc[to + comptime![it * step * d / 4]].fetch_add(quad);
             }
         }
     }
@@ -144,6 +171,10 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
             SharedMemory::<Vector<F, N>>::new_aligned(comptime![rows * p_pitch], 16usize);
         let mut smem_ds =
             SharedMemory::<Vector<F, N>>::new_aligned(comptime![rows * p_pitch], 16usize);
+        let mut smem_dq = SharedMemory::<Quad>::new_aligned(
+            comptime![t.rows as usize / 16 * 32 * dq_stage_pitch(qn) / 4],
+            16usize,
+        );
         let barrier = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
         load_keys_values::<F, N>(
@@ -330,6 +361,7 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
             );
             add_dq(
                 &acc_q,
+                &mut smem_dq,
                 dq_acc,
                 (b * heads + h) * seq_q,
                 q0 + qrow,
