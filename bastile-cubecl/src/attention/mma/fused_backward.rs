@@ -51,8 +51,8 @@ pub(crate) fn dq_stage_pitch(n: usize) -> usize {
 /// accumulator, rows from `row_base`. The plane stages its tile in
 /// `smem_dq` (its own `32·dq_stage_pitch(n)` f32 from `32·plane` rows),
 /// then every lane adds whole 16-byte runs of rows: each atomic
-/// instruction of the plane covers whole 128-byte lines, from one base
-/// address plus constant offsets.
+/// instruction of the plane covers whole rows of the tile (whole 128-byte
+/// lines at `n = 4`), from one base address plus constant offsets.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn add_dq(
