@@ -42,8 +42,20 @@ pub(crate) fn dq_query_planes(cols: usize) -> usize {
 /// f32 per row of a plane's dQ staging tile (`n` accumulators of 8
 /// columns): the tile's width plus 8, so that the pair stores of each
 /// half-plane (rows `g`, columns `2·(lane % 4)`) fall in distinct banks.
-pub(crate) fn dq_stage_pitch(n: usize) -> usize {
+fn dq_stage_pitch(n: usize) -> usize {
     8 * n + 8
+}
+
+/// The dQ accumulators of 8 columns each plane holds (its share of the
+/// head dim `d`) in a cube of `planes` planes over blocks of `cols`
+/// queries.
+fn dq_accumulators(planes: usize, cols: usize, d: usize) -> usize {
+    d / 8 / (planes / dq_query_planes(cols))
+}
+
+/// f32 of such a cube's dQ staging tiles: 32 rows per plane.
+pub(crate) fn dq_stage_floats(planes: usize, cols: usize, d: usize) -> usize {
+    planes * 32 * dq_stage_pitch(dq_accumulators(planes, cols, d))
 }
 
 /// Adds a plane's dQ accumulators (`mt = 2` tiles of 16 queries from
@@ -68,10 +80,10 @@ fn add_dq(
 ) {
     let pitch = comptime![dq_stage_pitch(n)];
     let lane = UNIT_POS_PLANE as usize;
-    let tile0 = (UNIT_POS as usize / 32) * comptime![32 * dq_stage_pitch(n) / 4];
+    let tile0 = (UNIT_POS as usize / 32) * comptime![32 * pitch / 4];
     {
         let mut pairs = smem_dq.to_slice_mut().with_vector_size::<Const<2>>();
-        let top = tile0 * 2 + (lane / 4) * comptime![dq_stage_pitch(n) / 2] + lane % 4;
+        let top = tile0 * 2 + (lane / 4) * comptime![pitch / 2] + lane % 4;
         #[unroll]
         for m in 0..2usize {
             #[unroll]
@@ -88,7 +100,7 @@ fn add_dq(
     let step = comptime![32 / (2 * n)];
     let r = lane / per_row;
     let c = lane % per_row;
-    let from = tile0 + r * comptime![dq_stage_pitch(n) / 4] + c;
+    let from = tile0 + r * comptime![pitch / 4] + c;
     let to = ((row_base + row0 + r) * d + col0) / 4 + c;
     if row0 + 32 <= seq_q {
         #[unroll]
@@ -144,7 +156,7 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
     // Phase 3: 32 queries by `d / dq_split` columns per plane.
     let dq_rows = comptime![dq_query_planes(t.cols as usize)];
     let dq_split = comptime![t.rows as usize / 16 / dq_rows];
-    let qn = comptime![d / 8 / dq_split];
+    let qn = comptime![dq_accumulators(t.rows as usize / 16, t.cols as usize, d)];
     // `Pᵀ` and `dSᵀ` tiles: keys by queries.
     let p_pitch = comptime![t.cols as usize / 8 + 1];
     let lane = UNIT_POS_PLANE as usize;
@@ -172,7 +184,7 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
         let mut smem_ds =
             SharedMemory::<Vector<F, N>>::new_aligned(comptime![rows * p_pitch], 16usize);
         let mut smem_dq = SharedMemory::<Quad>::new_aligned(
-            comptime![t.rows as usize / 16 * 32 * dq_stage_pitch(qn) / 4],
+            comptime![dq_stage_floats(t.rows as usize / 16, t.cols as usize, d) / 4],
             16usize,
         );
         let barrier = Barrier::shared(CUBE_DIM, UNIT_POS == 0);

@@ -87,9 +87,9 @@ impl MmaLaunch {
             let dkdv = 2 * (rows + 2 * cols) * row + 4 * cols * 4;
             if self.fused_dq {
                 // ... and each plane's dQ staging tile of 32 rows.
-                let dq_split = self.planes as usize / fused_backward::dq_query_planes(cols);
-                let n = (problem.head_dim / 8 / dq_split).max(1);
-                let staging = self.planes as usize * 32 * fused_backward::dq_stage_pitch(n) * 4;
+                let staging =
+                    fused_backward::dq_stage_floats(self.planes as usize, cols, problem.head_dim)
+                        * 4;
                 dkdv + 2 * rows * (cols / VEC + 1) * 16 + staging
             } else {
                 // The dQ kernel: two stages of `2·cols` keys and values.
