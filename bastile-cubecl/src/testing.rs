@@ -44,6 +44,12 @@ impl Rng {
         Self(seed)
     }
 
+    /// A generator in the state a failure printed as its seed, to replay
+    /// that check.
+    pub fn from_seed(seed: u64) -> Self {
+        Self(seed)
+    }
+
     pub fn seed(&self) -> u64 {
         self.0
     }

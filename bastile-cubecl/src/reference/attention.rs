@@ -125,15 +125,23 @@ pub fn forward(spec: &AttentionSpec, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f6
 }
 
 /// The gradients for the output gradient `dout`.
+///
+/// `out` is the output the backward reads for `Δ = rowsum(dout ∘ out)`.
+/// Pass the kernel's own stored output (rounded to its dtype), which is
+/// what the kernels read, so that the comparison measures the backward
+/// alone: with the exact output, the sink gradient `−Σ p_sink·Δ`, a sum of
+/// terms of either sign over a head's rows, carries the dtype's rounding of
+/// every row and can miss the dtype's bound.
 pub fn backward(
     spec: &AttentionSpec,
     q: &[f64],
     k: &[f64],
     v: &[f64],
+    out: &[f64],
     dout: &[f64],
 ) -> AttentionGrads {
     let d = spec.head_dim;
-    let (out, _) = forward(spec, q, k, v);
+    assert_eq!(out.len(), dout.len(), "out and dout must have one shape");
     let mut dq = vec![0.0; q.len()];
     let mut dk = vec![0.0; k.len()];
     let mut dv = vec![0.0; v.len()];
