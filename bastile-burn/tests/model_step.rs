@@ -3,8 +3,7 @@
 //! at the same parameters. The weights travel between the two backends as a
 //! record, which also checks that Bastile's modules keep Burn's record names.
 
-mod common;
-
+use crate::common::*;
 use bastile::nn::{RmsNorm, RmsNormConfig};
 use bastile::{Bastile, BastileBackend};
 use bastile_cubecl::testing::{Rng, assert_close};
@@ -15,7 +14,6 @@ use burn::optim::{GradientsParams, Optimizer, SgdConfig};
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor};
-use common::*;
 
 #[derive(Module, Debug)]
 struct Tiny<B: Backend> {

@@ -1,5 +1,6 @@
-//! The run-time switchboard. In its own test binary: the switches are
-//! process-wide and the other tests expect every op on.
+//! The run-time switchboard. The switches are process-wide and the other
+//! tests of this binary expect every op on, so the checks run in a child
+//! process: the test binary started again on this one test alone.
 
 use bastile::nn::RmsNormConfig;
 use bastile::{Bastile, BastileBackend, Op, Patches, apply, patched_ops, reset};
@@ -9,8 +10,36 @@ use burn::tensor::{DType, Tensor};
 #[cfg(feature = "wgpu")]
 type Gpu = burn::backend::Wgpu;
 
+/// Set in the child process that runs [`switchboard_checks`].
+const CHILD: &str = "BASTILE_SWITCHBOARD_CHILD";
+
 #[test]
 fn switches_turn_the_fused_path_on_and_off() {
+    if std::env::var_os(CHILD).is_some() {
+        switchboard_checks();
+        return;
+    }
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let out = std::process::Command::new(exe)
+        .args([
+            "patches::switches_turn_the_fused_path_on_and_off",
+            "--exact",
+            "--test-threads=1",
+        ])
+        .env(CHILD, "1")
+        .output()
+        .expect("starting the test binary again");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "the switchboard checks failed in their own process ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The checks themselves, in a process whose switches nothing else touches.
+fn switchboard_checks() {
     assert_eq!(patched_ops(), Op::ALL.to_vec(), "every op starts on");
 
     reset();

@@ -29,6 +29,37 @@ pub fn runtime_selected(name: &str, compiled: bool) -> bool {
     wanted
 }
 
+/// Whether a test checks every launch candidate on every shape and the
+/// large shapes: on CUDA always; on other runtimes (the software Vulkan
+/// driver runs the kernels on a CPU) only with `BASTILE_TEST_THOROUGH=1`.
+/// Otherwise tests spread the candidates over their cases, so each is still
+/// checked, and keep every property (mask options, odd shapes, dtypes,
+/// poisoned outputs, gradients) on shapes sized for a CPU.
+pub fn thorough(runtime: &str) -> bool {
+    runtime == "cuda" || std::env::var("BASTILE_TEST_THOROUGH").is_ok_and(|v| v == "1")
+}
+
+/// The items of `list` that case `case` checks: all of them when
+/// `thorough`, else those whose index is `case` modulo `every` (at least
+/// one), so that cases taking turns share the list: over `every` cases
+/// each item is checked once.
+pub fn share<T>(list: &[T], case: usize, every: usize, thorough: bool) -> Vec<&T> {
+    if thorough || every <= 1 {
+        return list.iter().collect();
+    }
+    let mine: Vec<&T> = list
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| i % every == case % every)
+        .map(|(_, item)| item)
+        .collect();
+    if mine.is_empty() && !list.is_empty() {
+        vec![&list[case % list.len()]]
+    } else {
+        mine
+    }
+}
+
 /// A small, fast, seedable generator (SplitMix64) so tests need no extra
 /// dependencies; seeds come from the clock, printed on failure.
 #[derive(Clone, Debug)]

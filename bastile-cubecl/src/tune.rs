@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::fmt::{Debug, Display};
 use std::hash::Hash;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cubecl::prelude::*;
 use cubecl::tune::{AutotuneKey, LocalTuner, Tunable, TunableSet, TuneGroup};
@@ -19,8 +19,30 @@ use crate::KernelError;
 /// How many candidates the autotuner benchmarks at most.
 pub const MAX_TUNABLES: usize = 24;
 
-/// The autotune key of an op: its own key plus how many candidates exist for
-/// the problem on this device (tunables past that count are skipped).
+/// How many of a problem's candidates a tuning run benchmarks: all of them
+/// (up to [`MAX_TUNABLES`]) unless `BASTILE_TUNE_CANDIDATES` holds a smaller
+/// positive count, in which case the first ones (each op lists its default
+/// configuration first). Fewer candidates tune sooner and may miss the
+/// fastest; every configuration stays reachable through the `*_with` entry
+/// points. Read once per process.
+pub fn tuned_candidates_limit() -> usize {
+    static LIMIT: OnceLock<usize> = OnceLock::new();
+    *LIMIT.get_or_init(|| match std::env::var("BASTILE_TUNE_CANDIDATES") {
+        Err(_) => MAX_TUNABLES,
+        Ok(text) => match text.trim().parse::<usize>() {
+            Ok(n) if n >= 1 => n.min(MAX_TUNABLES),
+            _ => {
+                eprintln!(
+                    "bastile: BASTILE_TUNE_CANDIDATES={text:?} is not a positive count; every candidate is tuned"
+                );
+                MAX_TUNABLES
+            }
+        },
+    })
+}
+
+/// The autotune key of an op: its own key plus how many candidates are tuned
+/// for the problem on this device (tunables past that count are skipped).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct TuneKey<K> {
     pub op: K,
@@ -181,7 +203,7 @@ where
         let mut set = TunableSet::<TuneKey<K>, Inputs<R, P, Buffers, L, K>, ()>::new(
             move |(_, _, _, c, k): &Inputs<R, P, Buffers, L, K>| TuneKey {
                 op: k.clone(),
-                candidates: c.len(),
+                candidates: c.len().min(tuned_candidates_limit()),
             },
             move |_: &TuneKey<K>, (client, p, b, c, k): &Inputs<R, P, Buffers, L, K>| {
                 (

@@ -16,7 +16,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::batches::{Sampler, pad};
 use crate::chat::ChatFormat;
 use crate::data::{self, Example};
-use crate::device::{RunInfo, Task};
+use crate::device::{DeviceKind, RunInfo, Task, dispatch};
 use crate::source::{ModelSource, RECORD, recorder};
 use crate::{CliError, DTypeArg};
 
@@ -71,6 +71,17 @@ pub struct FinetuneReport {
 }
 
 pub struct Finetune(pub FinetuneOptions);
+
+/// `bastile finetune`: trains on the backend `device` and `bastile` select
+/// (see [`dispatch`]). Not generic, so the training code is compiled once,
+/// here, for every backend, rather than again in each caller.
+pub fn run(
+    device: DeviceKind,
+    bastile: bool,
+    options: FinetuneOptions,
+) -> Result<FinetuneReport, CliError> {
+    dispatch(device, bastile, Finetune(options))
+}
 
 impl Task for Finetune {
     type Output = FinetuneReport;

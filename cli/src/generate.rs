@@ -15,7 +15,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::chat::{self, ChatFormat, Message};
-use crate::device::{RunInfo, Task};
+use crate::device::{DeviceKind, RunInfo, Task, dispatch};
 use crate::source::ModelSource;
 use crate::tokenizer::Tokenizer;
 use crate::{CliError, DTypeArg};
@@ -45,6 +45,17 @@ pub struct Reply {
 }
 
 pub struct Generate(pub GenerateOptions);
+
+/// `bastile generate`: every model's reply to every prompt, on the backend
+/// `device` and `bastile` select (see [`dispatch`]). Not generic, so the
+/// generation code is compiled once, here, rather than again in each caller.
+pub fn run(
+    device: DeviceKind,
+    bastile: bool,
+    options: GenerateOptions,
+) -> Result<Vec<Reply>, CliError> {
+    dispatch(device, bastile, Generate(options))
+}
 
 impl Task for Generate {
     type Output = Vec<Reply>;

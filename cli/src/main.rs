@@ -5,9 +5,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use bastile_cli::chat::ChatFormat;
-use bastile_cli::device::{DeviceKind, dispatch};
-use bastile_cli::finetune::{Finetune, FinetuneOptions};
-use bastile_cli::generate::{Generate, GenerateOptions};
+use bastile_cli::device::DeviceKind;
+use bastile_cli::finetune::{self, FinetuneOptions};
+use bastile_cli::generate::{self, GenerateOptions};
 use bastile_cli::{CliError, DTypeArg};
 use clap::{Args, Parser, Subcommand};
 
@@ -174,7 +174,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 progress: std::io::stderr().is_terminal(),
                 log_every,
             };
-            dispatch(common.device, !common.no_bastile, Finetune(options))?;
+            finetune::run(common.device, !common.no_bastile, options)?;
         }
         Command::Generate {
             model,
@@ -203,7 +203,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 seed: common.seed,
                 dtype: common.dtype,
             };
-            let replies = dispatch(common.device, !common.no_bastile, Generate(options))?;
+            let replies = generate::run(common.device, !common.no_bastile, options)?;
             for p in &prompts {
                 println!("\n### {p}");
                 for r in replies.iter().filter(|r| &r.prompt == p) {

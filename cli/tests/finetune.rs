@@ -6,9 +6,9 @@
 
 use std::path::PathBuf;
 
-use bastile_cli::device::{DeviceKind, dispatch};
-use bastile_cli::finetune::{Finetune, FinetuneOptions, FinetuneReport};
-use bastile_cli::generate::{Generate, GenerateOptions};
+use bastile_cli::device::DeviceKind;
+use bastile_cli::finetune::{self, FinetuneOptions, FinetuneReport};
+use bastile_cli::generate::{self, GenerateOptions};
 use bastile_cli::{CliError, DTypeArg};
 use bastile_cubecl::testing::runtime_selected;
 
@@ -48,7 +48,7 @@ fn finetune(
     bastile: bool,
     o: FinetuneOptions,
 ) -> Result<FinetuneReport, CliError> {
-    dispatch(device, bastile, Finetune(o))
+    finetune::run(device, bastile, o)
 }
 
 fn greedy(models: Vec<String>, prompt: &str) -> Vec<String> {
@@ -63,7 +63,7 @@ fn greedy(models: Vec<String>, prompt: &str) -> Vec<String> {
         seed: 0,
         dtype: DTypeArg::Auto,
     };
-    dispatch(DeviceKind::Cpu, false, Generate(o))
+    generate::run(DeviceKind::Cpu, false, o)
         .unwrap()
         .into_iter()
         .map(|r| r.text)

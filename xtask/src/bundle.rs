@@ -2,14 +2,16 @@
 //! a GPU but no Rust toolchain. CUDA is loaded at run time (cudarc), so the
 //! binaries build anywhere.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
-use crate::{cargo, run};
+use crate::{cargo, cargo_executables, run};
 
-/// The test binaries that exercise kernels (the others need no GPU).
+/// The test modules that exercise kernels (the others need no GPU). Each
+/// crate's tests are one binary (`tests/main.rs`); these names are its
+/// modules, passed to the binaries as filters (`rope::`).
 const GPU_TESTS: &[&str] = &[
+    "attention",
     "rms_norm",
     "model_step",
     "swiglu",
@@ -21,25 +23,20 @@ const GPU_TESTS: &[&str] = &[
     "training",
 ];
 
-/// Builds with cargo and returns the executables it reports.
+/// Builds with cargo and returns the executables it reports, named after
+/// their crate and target (`cubecl-main`).
 fn build_executables(args: &[&str]) -> Result<Vec<(String, PathBuf)>, String> {
     let mut cmd = cargo();
-    cmd.args(args)
-        .args(["--all-features", "--message-format=json-render-diagnostics"]);
-    cmd.stdout(Stdio::piped());
-    eprintln!("xtask: running {cmd:?}");
-    let mut child = cmd
-        .spawn()
-        .map_err(|e| format!("could not start cargo: {e}"))?;
-    let mut out = Vec::new();
-    for line in BufReader::new(child.stdout.take().expect("piped stdout")).lines() {
-        let line = line.map_err(|e| e.to_string())?;
-        let Ok(msg) = serde_json::from_str::<serde_json::Value>(&line) else {
-            continue;
-        };
-        if let (Some(exe), Some(name)) =
-            (msg["executable"].as_str(), msg["target"]["name"].as_str())
-        {
+    cmd.args(args).args([
+        "--no-default-features",
+        "--features",
+        "cuda",
+        "--message-format=json-render-diagnostics",
+    ]);
+    let built = cargo_executables(&mut cmd)?;
+    Ok(built
+        .iter()
+        .map(|msg| {
             let pkg = msg["package_id"].as_str().unwrap_or_default();
             let crate_name = if pkg.contains("bastile-cubecl") {
                 "cubecl"
@@ -48,21 +45,19 @@ fn build_executables(args: &[&str]) -> Result<Vec<(String, PathBuf)>, String> {
             } else {
                 "burn"
             };
-            out.push((format!("{crate_name}-{name}"), PathBuf::from(exe)));
-        }
-    }
-    let status = child.wait().map_err(|e| e.to_string())?;
-    if !status.success() {
-        return Err(format!("cargo {args:?} failed with {status}"));
-    }
-    Ok(out)
+            let name = msg["target"]["name"].as_str().unwrap_or("?");
+            let exe = msg["executable"].as_str().unwrap_or_default();
+            (format!("{crate_name}-{name}"), PathBuf::from(exe))
+        })
+        .collect())
 }
 
 /// Stages the binaries in `target/device-bundle`, then writes
 /// `<dest>/bastile-cuda.tar.xz` (stripped binaries compress about 5×, which
 /// keeps the bundle well under 64 MiB) and `<dest>/run.sh`, which unpacks
-/// and runs it. `only` narrows the GPU tests to those names.
-pub fn build(dest: &str, only: &[String]) -> Result<(), String> {
+/// and runs it. `only` narrows the GPU test modules run by default to those
+/// names; `with_bench` adds the benchmark program.
+pub fn build(dest: &str, only: &[String], with_bench: bool) -> Result<(), String> {
     if let Some(bad) = only.iter().find(|o| !GPU_TESTS.contains(&o.as_str())) {
         return Err(format!("unknown GPU test `{bad}`; known: {GPU_TESTS:?}"));
     }
@@ -87,20 +82,20 @@ pub fn build(dest: &str, only: &[String]) -> Result<(), String> {
         "bastile-models",
         "--no-run",
     ])?;
-    let bench = build_executables(&["build", "-p", "bastile-benches", "--bin", "bastile-bench"])?;
     let mut names = Vec::new();
-    for (name, exe) in tests
-        .into_iter()
-        .filter(|(n, _)| wanted.iter().any(|t| n.ends_with(&format!("-{t}"))))
-    {
+    for (name, exe) in tests.into_iter().filter(|(n, _)| n.ends_with("-main")) {
         let dest = out.join("tests").join(&name);
         std::fs::copy(&exe, &dest).map_err(|e| format!("copying {}: {e}", exe.display()))?;
         run(Command::new("strip").arg(&dest))?;
         names.push(name);
     }
-    let (_, bench_exe) = bench.first().ok_or("cargo built no benchmark binary")?;
-    std::fs::copy(bench_exe, out.join("bastile-bench")).map_err(|e| e.to_string())?;
-    run(Command::new("strip").arg(out.join("bastile-bench")))?;
+    if with_bench {
+        let bench =
+            build_executables(&["build", "-p", "bastile-benches", "--bin", "bastile-bench"])?;
+        let (_, bench_exe) = bench.first().ok_or("cargo built no benchmark binary")?;
+        std::fs::copy(bench_exe, out.join("bastile-bench")).map_err(|e| e.to_string())?;
+        run(Command::new("strip").arg(out.join("bastile-bench")))?;
+    }
     // The tests run with CubeCL's bounds checks on, as in CI.
     std::fs::write(
         out.join("tests/cubecl.toml"),
@@ -110,28 +105,36 @@ pub fn build(dest: &str, only: &[String]) -> Result<(), String> {
     let script = format!(
         r#"#!/usr/bin/env bash
 # Runs Bastile's CUDA tests and benchmarks on a machine without Rust.
-# Usage: run.sh [tests|bench|all] [results-dir] [test binaries...]
-# Extra benchmark arguments (e.g. `--op swiglu`) come from $BENCH_ARGS.
+# Usage: run.sh [tests|bench|all] [results-dir] [test modules...]
+# Each crate's tests are one binary; the modules (e.g. `rope attention`)
+# select its tests. Extra benchmark arguments (e.g. `--op swiglu`) come from
+# $BENCH_ARGS, extra test arguments (e.g. a test name) from $TEST_ARGS.
 set -uo pipefail
 archive="$(cd "$(dirname "$0")" && pwd)/bastile-cuda.tar.xz"
 here="${{TMPDIR:-/tmp}}/bastile-cuda"; rm -rf "$here"; mkdir -p "$here"
 tar -C "$here" -xJf "$archive" || python3 -c "import sys,tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$archive" "$here"
 what="${{1:-all}}"; results="${{2:-$here/results}}"; mkdir -p "$results"
 shift 2 2>/dev/null || shift $#
-selected="${{*:-{tests}}}"
+modules="${{*:-{modules}}}"
+filters=""; for m in $modules; do filters="$filters $m::"; done
 export BASTILE_TEST_RUNTIMES=cuda XDG_RUNTIME_DIR="${{XDG_RUNTIME_DIR:-/tmp}}"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  for t in $selected; do
-    echo "== $t"; (cd "$here/tests" && "./$t" --test-threads=1) 2>&1 | tee "$results/$t.log" || status=1
+  for t in {binaries}; do
+    echo "== $t:$modules"
+    (cd "$here/tests" && "./$t" --test-threads=1 $filters ${{TEST_ARGS:-}}) 2>&1 | tee "$results/$t.log" || status=1
   done
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if [ "$what" = bench ] && [ ! -x "$here/bastile-bench" ]; then
+  echo "this bundle was built with --no-bench: it has no benchmark program" >&2; exit 2
+fi
+if {{ [ "$what" = bench ] || [ "$what" = all ]; }} && [ -x "$here/bastile-bench" ]; then
   (cd "$here" && ./bastile-bench --runtime cuda --out "$results/cuda-bench.json" ${{BENCH_ARGS:-}}) 2>&1 | tee "$results/bench.log" || status=1
 fi
 exit $status
 "#,
-        tests = names.join(" ")
+        modules = wanted.join(" "),
+        binaries = names.join(" ")
     );
     let script_path = dest.join("run.sh");
     std::fs::write(&script_path, script).map_err(|e| e.to_string())?;

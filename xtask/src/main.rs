@@ -2,13 +2,15 @@
 //!
 //! * `test`: installs what the tests need on a machine without a GPU (Mesa's
 //!   software Vulkan driver) and runs every test of the workspace on it, or on
-//!   CUDA with `--cuda`.
+//!   CUDA with `--cuda`, ending with the time each test binary took to build
+//!   and to run.
 //! * `bench`: builds and runs the benchmark program.
 //! * `device-bundle`: builds the CUDA test and benchmark binaries into a
 //!   folder, with a script that runs them on a machine without Rust.
 
 mod bundle;
 mod setup;
+mod testrun;
 
 use std::process::{Command, ExitCode};
 
@@ -23,7 +25,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Run every test of the workspace (software Vulkan by default).
+    /// Run every test of the workspace (software Vulkan by default) and
+    /// print the time each test binary took to build and to run.
     Test {
         /// Run the kernel tests on CUDA instead of the software Vulkan driver.
         #[arg(long)]
@@ -31,9 +34,13 @@ enum Cmd {
         /// Do not install missing system packages.
         #[arg(long)]
         no_setup: bool,
-        /// Extra arguments passed to `cargo test`.
+        /// Test only these packages (e.g. `-p bastile-cubecl`).
+        #[arg(short, long = "package")]
+        packages: Vec<String>,
+        /// Arguments for every test binary: name filters such as
+        /// `attention::`, `--test-threads=1`, `--nocapture`.
         #[arg(last = true)]
-        rest: Vec<String>,
+        test_args: Vec<String>,
     },
     /// Run the benchmarks and write the results (`cargo xtask bench --help`
     /// lists the options). With no arguments: the default suite on CUDA
@@ -52,10 +59,14 @@ enum Cmd {
         /// Output folder (git-ignored).
         #[arg(long, default_value = ".device")]
         out: String,
-        /// Bundle only these GPU test binaries (names such as `rope` or
-        /// `cross_entropy`), to stay under the carry limit; all by default.
+        /// The GPU test modules `run.sh` runs when it is given none (names
+        /// such as `rope` or `cross_entropy`); all by default.
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
+        /// Leave the benchmark program out (a test-only bundle builds
+        /// sooner).
+        #[arg(long)]
+        no_bench: bool,
     },
 }
 
@@ -64,10 +75,26 @@ fn main() -> ExitCode {
         Cmd::Test {
             cuda,
             no_setup,
-            rest,
-        } => test(cuda, no_setup, &rest),
+            packages,
+            test_args,
+        } => if cuda {
+            Ok(())
+        } else {
+            setup::software_vulkan(!no_setup)
+        }
+        .and_then(|()| {
+            testrun::test(&testrun::TestArgs {
+                cuda,
+                packages,
+                test_args,
+            })
+        }),
         Cmd::Bench { args } => bench(args),
-        Cmd::DeviceBundle { out, only } => bundle::build(&out, &only),
+        Cmd::DeviceBundle {
+            out,
+            only,
+            no_bench,
+        } => bundle::build(&out, &only, !no_bench),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -91,20 +118,35 @@ pub fn run(cmd: &mut Command) -> Result<(), String> {
     }
 }
 
-fn cargo() -> Command {
-    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+/// Runs a cargo command given `--message-format=json-render-diagnostics`
+/// (its diagnostics still reach the terminal) and returns the messages of
+/// the artifacts it built that have an executable: test binaries, bins.
+pub fn cargo_executables(cmd: &mut Command) -> Result<Vec<serde_json::Value>, String> {
+    cmd.stdout(std::process::Stdio::piped());
+    eprintln!("xtask: running {cmd:?}");
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("could not start cargo: {e}"))?;
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut out = Vec::new();
+    for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)) {
+        let line = line.map_err(|e| e.to_string())?;
+        if let Ok(msg) = serde_json::from_str::<serde_json::Value>(&line)
+            && msg["executable"].is_string()
+        {
+            out.push(msg);
+        }
+    }
+    let status = child.wait().map_err(|e| e.to_string())?;
+    if status.success() {
+        Ok(out)
+    } else {
+        Err(format!("{cmd:?} failed with {status}"))
+    }
 }
 
-fn test(cuda: bool, no_setup: bool, rest: &[String]) -> Result<(), String> {
-    if !cuda {
-        setup::software_vulkan(!no_setup)?;
-    }
-    let mut cmd = cargo();
-    cmd.args(["test", "--workspace", "--all-features"])
-        .args(rest);
-    cmd.env("BASTILE_TEST_RUNTIMES", if cuda { "cuda" } else { "wgpu" });
-    setup::runtime_dir(&mut cmd);
-    run(&mut cmd)
+fn cargo() -> Command {
+    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
 }
 
 /// The value of `--name value` or `--name=value` in `args`.

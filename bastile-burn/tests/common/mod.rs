@@ -52,6 +52,29 @@ pub fn for_each_backend(test: &impl BackendTest) {
     );
 }
 
+/// Whether a test on the backend `name` (as [`for_each_backend`] names
+/// them, "cuda (fusion)") runs every combination and the large shapes; see
+/// `bastile_cubecl::testing::thorough`.
+pub fn thorough(name: &str) -> bool {
+    bastile_cubecl::testing::thorough(name.split_whitespace().next().unwrap_or(name))
+}
+
+/// Whether a test on the backend `name` also runs the composite path (`B`
+/// itself, the reference semantics) to compare: on every direct backend,
+/// and behind Fusion only when [`thorough`]. Behind Fusion the composite is
+/// the same Burn ops, each new shape compiling fused kernels of Burn's own,
+/// which on the software Vulkan driver cost more than the checks of ours.
+pub fn checks_composite(name: &str) -> bool {
+    thorough(name) || !name.contains("fusion")
+}
+
+/// Whether case `case` runs in the dtype `dtypes[dtype]` on the backend
+/// `name`: every case in every dtype when [`thorough`], else the dtypes take
+/// turns over the cases, so each case and each dtype is still checked.
+pub fn takes_turn(name: &str, case: usize, dtype: usize, dtypes: usize) -> bool {
+    thorough(name) || case % dtypes.max(1) == dtype
+}
+
 /// The kernel dtype matching a Burn float dtype.
 pub fn kdtype(dtype: DType) -> bastile_cubecl::FloatDtype {
     bastile::kernels::kernel_dtype(dtype).unwrap_or_else(|| panic!("no kernel dtype for {dtype:?}"))

@@ -1,0 +1,15 @@
+//! The Burn-level tests, one module per op or concern, linked into a single
+//! test binary so Burn, CubeCL and the kernels are compiled once.
+
+mod common;
+
+mod attention;
+mod cross_entropy;
+mod drop_in;
+mod geglu;
+mod matmul;
+mod model_step;
+mod patches;
+mod rms_norm;
+mod rope;
+mod swiglu;

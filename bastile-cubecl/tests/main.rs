@@ -1,0 +1,10 @@
+//! The kernel tests, one module per op, linked into a single test binary so
+//! CubeCL and the kernels are compiled once. Each runs on the runtimes
+//! `BASTILE_TEST_RUNTIMES` selects (see `bastile_cubecl::testing`).
+
+mod attention;
+mod cross_entropy;
+mod geglu;
+mod rms_norm;
+mod rope;
+mod swiglu;

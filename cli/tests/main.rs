@@ -1,0 +1,4 @@
+//! The command's tests, linked into a single test binary.
+
+mod chat_and_data;
+mod finetune;

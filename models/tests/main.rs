@@ -1,0 +1,6 @@
+//! The model tests, linked into a single test binary so Burn and the models
+//! are compiled once.
+
+mod hf_parity;
+mod loading;
+mod training;
