@@ -109,9 +109,11 @@ impl BackendTest for SameTraining {
             "{name}: the loss should go down: {loss_b:?}"
         );
         // On the software Vulkan driver the two runs differ only by the
-        // RMSNorm rounding; on CUDA, Burn's fused element-wise kernels and
-        // matmul reduce in other orders on top of that, so a little more.
-        let loss_tol = if name.starts_with("cuda") { 5e-5 } else { 1e-5 };
+        // RMSNorm rounding. On CUDA the baseline's f32 matmuls are Burn's,
+        // in TF32 (10-bit mantissas, ~5e-4 per product), while Bastile's
+        // cuBLASLt matmuls stay in f32: an H100 measured 6.5e-5 on the first
+        // loss. A wrong gradient moves the loss by O(1) within four steps.
+        let loss_tol = if name.starts_with("cuda") { 1e-3 } else { 1e-5 };
         for (step, (f, b)) in loss_f.iter().zip(&loss_b).enumerate() {
             assert!(
                 ((f - b) / b).abs() < loss_tol,

@@ -152,9 +152,11 @@ fn same_curve(name: &str) {
             let fused = train::<Autodiff<bastile::Bastile<Cuda>>>(name, DType::BF16);
             // AdamW turns a gradient whose sign bf16 rounding flips into a
             // full ±lr step, so 30 bf16 steps leave near-zero-gradient
-            // weights (unrouted experts above all) apart by a few percent
-            // of the parameter norm; a wrong gradient differs by O(1).
-            compare(&format!("{name} cuda bf16"), base, fused, 2e-2, 1e-1);
+            // weights (unrouted experts above all) apart: an H100 measured
+            // 1.37e-1 of the norm for GPT-OSS's expert gate_up_proj while
+            // the losses agreed within 2e-3; a wrong gradient differs by
+            // O(1).
+            compare(&format!("{name} cuda bf16"), base, fused, 2e-2, 2.5e-1);
             ran = true;
         }
     }

@@ -190,40 +190,48 @@ fn run_counting(cmd: &mut Command) -> Result<RunOutput, String> {
     Ok(out)
 }
 
+/// Build times from the report `--timings` wrote.
+struct BuildTimes {
+    /// Each of the workspace's own units and its seconds.
+    own: Vec<(String, f64)>,
+    /// The dependencies' seconds, summed over the units (which overlap on
+    /// several cores).
+    deps: f64,
+    dep_units: usize,
+}
+
 /// The build time of each of the workspace's own units, from the report
 /// `--timings` wrote (`const UNIT_DATA = [...]` in its HTML), and the sum
 /// over the dependencies.
-fn build_times(target_dir: &str) -> Option<(Vec<(String, f64)>, f64, usize)> {
+fn build_times(target_dir: &str) -> Option<BuildTimes> {
     let html =
         std::fs::read_to_string(format!("{target_dir}/cargo-timings/cargo-timing.html")).ok()?;
     let start = html.find("UNIT_DATA = ")? + "UNIT_DATA = ".len();
     let end = start + html[start..].find("];")? + 1;
     let units: Vec<serde_json::Value> = serde_json::from_str(&html[start..end]).ok()?;
     let ours = ["bastile", "xtask"];
-    let mut own = Vec::new();
-    let (mut deps, mut dep_units) = (0.0, 0);
+    let mut times = BuildTimes {
+        own: Vec::new(),
+        deps: 0.0,
+        dep_units: 0,
+    };
     for u in &units {
         let name = u["name"].as_str().unwrap_or("?");
         let duration = u["duration"].as_f64().unwrap_or(0.0);
         if ours.iter().any(|o| name.starts_with(o)) {
             let target = u["target"].as_str().unwrap_or("").trim();
-            own.push((
-                format!(
-                    "{name}{}",
-                    if target.is_empty() {
-                        String::new()
-                    } else {
-                        format!(" {target}")
-                    }
-                ),
-                duration,
-            ));
+            let label = if target.is_empty() {
+                name.to_string()
+            } else {
+                format!("{name} {target}")
+            };
+            times.own.push((label, duration));
         } else {
-            deps += duration;
-            dep_units += 1;
+            times.deps += duration;
+            times.dep_units += 1;
         }
     }
-    Some((own, deps, dep_units))
+    Some(times)
 }
 
 fn target_dir() -> String {
@@ -285,11 +293,12 @@ pub fn test(args: &TestArgs) -> Result<(), String> {
     ));
 
     eprintln!("\nxtask: time per step (build: cargo --timings; run: wall clock)");
-    if let Some((own, deps, dep_units)) = build_times(&target_dir()) {
+    if let Some(times) = build_times(&target_dir()) {
         eprintln!(
-            "  build  {deps:>8.1} s  dependencies ({dep_units} units, summed over both cores)"
+            "  build  {:>8.1} s  dependencies ({} units, summed over both cores)",
+            times.deps, times.dep_units
         );
-        for (name, s) in own {
+        for (name, s) in times.own {
             eprintln!("  build  {s:>8.1} s  {name}");
         }
     }
