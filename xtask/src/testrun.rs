@@ -267,7 +267,8 @@ pub fn test(args: &TestArgs) -> Result<(), String> {
             .env("RUSTC_BOOTSTRAP", "1")
             .env("CARGO_MANIFEST_DIR", &b.dir)
             .env("BASTILE_TEST_RUNTIMES", runtimes);
-        if !args.cuda && std::env::var_os(TUNE_CANDIDATES).is_none() {
+        let thorough = std::env::var("BASTILE_TEST_THOROUGH").is_ok_and(|v| v == "1");
+        if !args.cuda && !thorough && std::env::var_os(TUNE_CANDIDATES).is_none() {
             // Every candidate is checked on its own by the `*_every_candidate`
             // tests; the tuned entry points tune among the first two here,
             // and among all of them on CUDA.
@@ -295,7 +296,7 @@ pub fn test(args: &TestArgs) -> Result<(), String> {
     eprintln!("\nxtask: time per step (build: cargo --timings; run: wall clock)");
     if let Some(times) = build_times(&target_dir()) {
         eprintln!(
-            "  build  {:>8.1} s  dependencies ({} units, summed over both cores)",
+            "  build  {:>8.1} s  dependencies ({} units, their times summed)",
             times.deps, times.dep_units
         );
         for (name, s) in times.own {
