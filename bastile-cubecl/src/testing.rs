@@ -39,6 +39,14 @@ pub fn thorough(runtime: &str) -> bool {
     runtime == "cuda" || std::env::var("BASTILE_TEST_THOROUGH").is_ok_and(|v| v == "1")
 }
 
+/// Whether case number `case` runs in `dtypes[dtype]`: every case in every
+/// dtype when `thorough`, else the dtypes take turns over the cases (for
+/// cases that compile kernels of their own), so each case and each dtype is
+/// still checked.
+pub fn takes_turn(case: usize, dtype: usize, dtypes: usize, thorough: bool) -> bool {
+    thorough || case % dtypes.max(1) == dtype
+}
+
 /// The items of `list` that case `case` checks: all of them when
 /// `thorough`, else those whose index is `case` modulo `every` (at least
 /// one), so that cases taking turns share the list: over `every` cases

@@ -341,10 +341,9 @@ impl RuntimeTest for Options {
         let dtypes = supported_dtypes(&client, dtypes);
         for (d, &dtype) in dtypes.iter().enumerate() {
             for (i, case) in cases.iter().enumerate() {
-                // Off CUDA the dtypes take turns over the cases (each case
-                // compiles kernels of its own): every mask option and every
-                // dtype is still checked.
-                if !thorough(runtime) && i % dtypes.len() != d {
+                // Off CUDA the dtypes take turns over the cases: every mask
+                // option and every dtype is still checked.
+                if !takes_turn(i, d, dtypes.len(), thorough(runtime)) {
                     continue;
                 }
                 // Rotate through the launch candidates of the problem.

@@ -1,7 +1,10 @@
-"""Training steps of a model preset through HF transformers (eager attention)
-and HF + Liger-Kernel, on the same configuration as
-`bastile-bench --model <preset>`: random weights in bf16, AdamW, gradient
-clipping at 1.0, one micro-batch of random tokens per step, labels = ids.
+"""Training steps of a model preset through HF transformers and HF +
+Liger-Kernel as their users run them (the attention HF picks by default for
+the model, SDPA for Qwen3 and Llama; `AdamW(fused=True)`; gradient clipping
+at 1.0 as HF Trainer does), on the same configuration as
+`bastile-bench --model <preset>`: random weights in bf16, one micro-batch of
+random tokens per step, labels = ids. `--attn eager` forces HF's eager
+attention instead, as earlier results used.
 
 Each (implementation, batch, seq) runs in a fresh subprocess so its peak
 memory starts from nothing; an out-of-memory failure is recorded as such.
@@ -65,10 +68,15 @@ LIGER = {"qwen3": "apply_liger_kernel_to_qwen3", "llama": "apply_liger_kernel_to
          "gpt_oss": "apply_liger_kernel_to_gpt_oss"}
 
 
-NAMES = {"hf": "HF transformers (eager)", "liger": "HF + Liger-Kernel"}
+def name(impl, attn):
+    """The row's implementation, naming HF's attention where it was forced
+    (every row records the attention that ran under "attention")."""
+    if impl == "liger":
+        return "HF + Liger-Kernel"
+    return "HF transformers" + (f" ({attn})" if attn else "")
 
 
-def one(model_name, impl, batch, seq, steps):
+def one(model_name, impl, batch, seq, steps, attn):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -79,11 +87,13 @@ def one(model_name, impl, batch, seq, steps):
 
         getattr(liger, LIGER[model_type])()
     config = AutoConfig.for_model(model_type, **fields)
-    config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16).cuda()
+    # None leaves HF's default for the model (what `from_pretrained` gives).
+    model = AutoModelForCausalLM.from_config(
+        config, torch_dtype=torch.bfloat16, attn_implementation=attn
+    ).cuda()
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda")
     times = []
     for i in range(2 + steps):
@@ -105,7 +115,8 @@ def one(model_name, impl, batch, seq, steps):
         "batch": batch,
         "seq": seq,
         "dtype": "bf16",
-        "implementation": NAMES[impl],
+        "implementation": name(impl, attn),
+        "attention": model.config._attn_implementation,
         "ms_per_step": ms,
         "tokens_per_s": batch * seq / (ms / 1e3),
         "peak_mib": torch.cuda.max_memory_reserved() / 2**20,
@@ -121,11 +132,13 @@ def main():
     p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--impl", nargs="+", default=["hf", "liger"], choices=["hf", "liger"])
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--attn", choices=["eager", "sdpa"],
+                   help="force this attention (default: HF's default for the model)")
     p.add_argument("--out")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        print(json.dumps(one(a.model, a.impl[0], a.batch[0], a.seq[0], a.steps)))
+        print(json.dumps(one(a.model, a.impl[0], a.batch[0], a.seq[0], a.steps, a.attn)))
         return
     rows = []
     for batch in a.batch:
@@ -136,6 +149,7 @@ def main():
             for impl in (i for i in a.impl if i not in failed):
                 cmd = [sys.executable, __file__, "--child", "--model", a.model, "--impl", impl,
                        "--batch", str(batch), "--seq", str(seq), "--steps", str(a.steps)]
+                cmd += ["--attn", a.attn] if a.attn else []
                 r = subprocess.run(cmd, capture_output=True, text=True)
                 sys.stderr.write(r.stderr[-2000:])
                 line = next((l for l in r.stdout.splitlines() if l.startswith("{")), None)
@@ -145,7 +159,7 @@ def main():
                     oom = "out of memory" in r.stderr.lower()
                     last = (r.stderr.strip().splitlines() or ["no output"])[-1]
                     row = {"model": a.model, "batch": batch, "seq": seq, "dtype": "bf16",
-                           "implementation": NAMES[impl], "ms_per_step": None,
+                           "implementation": name(impl, a.attn), "ms_per_step": None,
                            "tokens_per_s": None, "peak_mib": None,
                            "error": "out of memory" if oom else last}
                     failed.add(impl)

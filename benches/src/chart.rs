@@ -267,7 +267,8 @@ fn colour(name: &str, index: usize) -> RGBColor {
         "bastile" => RGBColor(214, 69, 65),
         "burn" => RGBColor(52, 101, 164),
         "bastile (Burn matmul)" => RGBColor(245, 166, 35),
-        "HF transformers (eager)" => RGBColor(110, 110, 110),
+        // "HF transformers", or with a forced attention "(eager)".
+        n if n.starts_with("HF transformers") => RGBColor(110, 110, 110),
         "HF + Liger-Kernel" => RGBColor(46, 160, 67),
         "torch sdpa" => RGBColor(142, 68, 173),
         _ => {

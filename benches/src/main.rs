@@ -148,9 +148,10 @@ pub struct Args {
     #[arg(long, value_enum, default_value = "auto")]
     pub attention: AttentionArg,
     /// Also run the same configurations through PyTorch on this GPU (the
-    /// scripts in `benches/python`: HF transformers eager and HF +
-    /// Liger-Kernel for training, SDPA for attention, cuBLAS for matmul,
-    /// torch and Liger for the loss); their rows join the table and charts.
+    /// scripts in `benches/python`: HF transformers with its default
+    /// attention and HF + Liger-Kernel for training, SDPA for attention,
+    /// cuBLAS for matmul, torch and Liger for the loss); their rows join
+    /// the table and charts.
     #[arg(long)]
     pub compare_pytorch: bool,
     /// The Python interpreter for `--compare-pytorch`.

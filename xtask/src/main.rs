@@ -77,17 +77,11 @@ fn main() -> ExitCode {
             no_setup,
             packages,
             test_args,
-        } => if cuda {
-            Ok(())
-        } else {
-            setup::software_vulkan(!no_setup)
-        }
-        .and_then(|()| {
-            testrun::test(&testrun::TestArgs {
-                cuda,
-                packages,
-                test_args,
-            })
+        } => testrun::test(&testrun::TestArgs {
+            cuda,
+            setup: !no_setup,
+            packages,
+            test_args,
         }),
         Cmd::Bench { args } => bench(args),
         Cmd::DeviceBundle {
@@ -118,30 +112,38 @@ pub fn run(cmd: &mut Command) -> Result<(), String> {
     }
 }
 
+/// Runs `cmd`, hands each line of its standard output to `line` as it
+/// comes (its standard error passes through), and returns whether it
+/// succeeded.
+pub fn stream_stdout(cmd: &mut Command, mut line: impl FnMut(&str)) -> Result<bool, String> {
+    cmd.stdout(std::process::Stdio::piped());
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("could not start {cmd:?}: {e}"))?;
+    let stdout = child.stdout.take().expect("piped stdout");
+    for text in std::io::BufRead::lines(std::io::BufReader::new(stdout)) {
+        line(&text.map_err(|e| e.to_string())?);
+    }
+    Ok(child.wait().map_err(|e| e.to_string())?.success())
+}
+
 /// Runs a cargo command given `--message-format=json-render-diagnostics`
 /// (its diagnostics still reach the terminal) and returns the messages of
 /// the artifacts it built that have an executable: test binaries, bins.
 pub fn cargo_executables(cmd: &mut Command) -> Result<Vec<serde_json::Value>, String> {
-    cmd.stdout(std::process::Stdio::piped());
     eprintln!("xtask: running {cmd:?}");
-    let mut child = cmd
-        .spawn()
-        .map_err(|e| format!("could not start cargo: {e}"))?;
-    let stdout = child.stdout.take().expect("piped stdout");
     let mut out = Vec::new();
-    for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)) {
-        let line = line.map_err(|e| e.to_string())?;
-        if let Ok(msg) = serde_json::from_str::<serde_json::Value>(&line)
+    let ok = stream_stdout(cmd, |line| {
+        if let Ok(msg) = serde_json::from_str::<serde_json::Value>(line)
             && msg["executable"].is_string()
         {
             out.push(msg);
         }
-    }
-    let status = child.wait().map_err(|e| e.to_string())?;
-    if status.success() {
+    })?;
+    if ok {
         Ok(out)
     } else {
-        Err(format!("{cmd:?} failed with {status}"))
+        Err(format!("{cmd:?} failed"))
     }
 }
 

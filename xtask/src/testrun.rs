@@ -7,12 +7,11 @@
 //! only `cuda`: generic tests are instantiated once per compiled runtime,
 //! and a runtime the run cannot select would only cost compile time.
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Instant;
 
-use crate::{cargo, cargo_executables};
+use crate::{cargo, cargo_executables, setup, stream_stdout};
 
 /// The environment variable capping how many candidates a tuning run
 /// benchmarks (`bastile_cubecl::tune::tuned_candidates_limit`).
@@ -24,6 +23,8 @@ const SLOWEST_SHOWN: usize = 12;
 /// What `cargo xtask test` was asked for.
 pub struct TestArgs {
     pub cuda: bool,
+    /// Install the software Vulkan driver if it is missing (off CUDA).
+    pub setup: bool,
     /// Packages to test (`-p`); the whole workspace when empty.
     pub packages: Vec<String>,
     /// Arguments for every test binary (filters, `--test-threads`, ...).
@@ -76,6 +77,13 @@ impl Counts {
     }
 }
 
+impl TestArgs {
+    /// The one runtime the run builds and tests.
+    fn runtime(&self) -> &'static str {
+        if self.cuda { "cuda" } else { "wgpu" }
+    }
+}
+
 /// The cargo arguments selecting the packages and the one runtime.
 fn selection(args: &TestArgs) -> Vec<String> {
     let mut out: Vec<String> = if args.packages.is_empty() {
@@ -86,11 +94,10 @@ fn selection(args: &TestArgs) -> Vec<String> {
             .flat_map(|p| ["-p".to_string(), p.clone()])
             .collect()
     };
-    let runtime = if args.cuda { "cuda" } else { "wgpu" };
     out.extend([
         "--no-default-features".into(),
         "--features".into(),
-        runtime.into(),
+        args.runtime().into(),
     ]);
     out
 }
@@ -173,20 +180,14 @@ struct RunOutput {
 /// Runs `cmd`, echoing its standard output, and returns the libtest counts
 /// and test times it printed and whether it succeeded.
 fn run_counting(cmd: &mut Command) -> Result<RunOutput, String> {
-    cmd.stdout(Stdio::piped());
-    let mut child = cmd
-        .spawn()
-        .map_err(|e| format!("could not start {cmd:?}: {e}"))?;
     let mut out = RunOutput::default();
-    for line in BufReader::new(child.stdout.take().expect("piped stdout")).lines() {
-        let line = line.map_err(|e| e.to_string())?;
+    out.ok = stream_stdout(cmd, |line| {
         println!("{line}");
-        if let Some(c) = Counts::parse(&line) {
+        if let Some(c) = Counts::parse(line) {
             out.counts.add(c);
         }
-        out.times.extend(test_time(&line));
-    }
-    out.ok = child.wait().map_err(|e| e.to_string())?.success();
+        out.times.extend(test_time(line));
+    })?;
     Ok(out)
 }
 
@@ -249,11 +250,19 @@ fn target_dir() -> String {
 /// timings and one closing line with the counts. Every binary runs even
 /// when an earlier one failed; the error names the ones that did.
 pub fn test(args: &TestArgs) -> Result<(), String> {
+    if !args.cuda {
+        setup::software_vulkan(args.setup)?;
+    }
     let started = Instant::now();
     let binaries = build(args)?;
     let build_s = started.elapsed().as_secs_f64();
     let mut rows: Vec<(String, RunOutput, f64)> = Vec::new();
-    let runtimes = if args.cuda { "cuda" } else { "wgpu" };
+    // Every candidate is checked on its own by the `*_every_candidate` tests;
+    // off CUDA the tuned entry points tune among the first two, on CUDA (or
+    // with BASTILE_TEST_THOROUGH=1, see `bastile_cubecl::testing::thorough`)
+    // among all of them.
+    let thorough = std::env::var("BASTILE_TEST_THOROUGH").is_ok_and(|v| v == "1");
+    let cap_tuning = !args.cuda && !thorough && std::env::var_os(TUNE_CANDIDATES).is_none();
     for b in &binaries {
         let label = format!("{} {}", b.package, b.target);
         eprintln!("xtask: running {label} ({})", b.executable.display());
@@ -266,15 +275,11 @@ pub fn test(args: &TestArgs) -> Result<(), String> {
             .current_dir(&b.dir)
             .env("RUSTC_BOOTSTRAP", "1")
             .env("CARGO_MANIFEST_DIR", &b.dir)
-            .env("BASTILE_TEST_RUNTIMES", runtimes);
-        let thorough = std::env::var("BASTILE_TEST_THOROUGH").is_ok_and(|v| v == "1");
-        if !args.cuda && !thorough && std::env::var_os(TUNE_CANDIDATES).is_none() {
-            // Every candidate is checked on its own by the `*_every_candidate`
-            // tests; the tuned entry points tune among the first two here,
-            // and among all of them on CUDA.
+            .env("BASTILE_TEST_RUNTIMES", args.runtime());
+        if cap_tuning {
             cmd.env(TUNE_CANDIDATES, "2");
         }
-        crate::setup::runtime_dir(&mut cmd);
+        setup::runtime_dir(&mut cmd);
         let out = run_counting(&mut cmd)?;
         rows.push((label, out, t.elapsed().as_secs_f64()));
     }

@@ -68,11 +68,9 @@ pub fn checks_composite(name: &str) -> bool {
     thorough(name) || !name.contains("fusion")
 }
 
-/// Whether case `case` runs in the dtype `dtypes[dtype]` on the backend
-/// `name`: every case in every dtype when [`thorough`], else the dtypes take
-/// turns over the cases, so each case and each dtype is still checked.
+/// `bastile_cubecl::testing::takes_turn` on the backend `name`.
 pub fn takes_turn(name: &str, case: usize, dtype: usize, dtypes: usize) -> bool {
-    thorough(name) || case % dtypes.max(1) == dtype
+    bastile_cubecl::testing::takes_turn(case, dtype, dtypes, thorough(name))
 }
 
 /// The kernel dtype matching a Burn float dtype.
