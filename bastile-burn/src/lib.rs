@@ -49,6 +49,7 @@ mod error;
 pub mod kernels;
 pub mod nn;
 pub mod ops;
+pub mod optim;
 mod patches;
 
 pub use backend::Bastile;

@@ -3,6 +3,7 @@
 
 mod common;
 
+mod adamw;
 mod attention;
 mod cross_entropy;
 mod drop_in;

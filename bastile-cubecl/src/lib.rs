@@ -6,6 +6,7 @@
 //! so any CubeCL runtime (CUDA, wgpu/Vulkan, ...) can run it and the Burn
 //! integration lives one layer up, in the `bastile` crate.
 
+pub mod adamw;
 pub mod attention;
 pub mod cross_entropy;
 #[cfg(feature = "cuda")]

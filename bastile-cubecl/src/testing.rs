@@ -128,6 +128,15 @@ pub fn round_to(dtype: FloatDtype, v: f64) -> f64 {
     }
 }
 
+/// `n` normal values (mean 0) already rounded to `dtype`, so the f64
+/// reference sees exactly what the kernel reads.
+pub fn rounded(rng: &mut Rng, dtype: FloatDtype, n: usize, std: f64) -> Vec<f64> {
+    rng.normals(n, 0.0, std)
+        .into_iter()
+        .map(|v| round_to(dtype, v))
+        .collect()
+}
+
 /// Encodes f64 values as bytes of `dtype` (rounded).
 pub fn to_bytes(dtype: FloatDtype, values: &[f64]) -> Vec<u8> {
     let mut out = Vec::with_capacity(values.len() * dtype.size());

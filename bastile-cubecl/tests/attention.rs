@@ -81,10 +81,6 @@ fn poisoned_layout<R: Runtime>(
     HeadLayout::dense(poisoned(client, dtype, b * h * s * d), h, s, d)
 }
 
-fn rounded(rng: &mut Rng, dtype: FloatDtype, n: usize, std: f64) -> Vec<f64> {
-    round_all(dtype, rng.normals(n, 0.0, std))
-}
-
 fn round_all(dtype: FloatDtype, values: impl IntoIterator<Item = f64>) -> Vec<f64> {
     values.into_iter().map(|v| round_to(dtype, v)).collect()
 }

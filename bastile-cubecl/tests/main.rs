@@ -2,6 +2,7 @@
 //! CubeCL and the kernels are compiled once. Each runs on the runtimes
 //! `BASTILE_TEST_RUNTIMES` selects (see `bastile_cubecl::testing`).
 
+mod adamw;
 mod attention;
 mod cross_entropy;
 mod geglu;

@@ -22,13 +22,6 @@ struct Layout {
     pad: usize,
 }
 
-fn rounded(rng: &mut Rng, dtype: FloatDtype, n: usize, std: f64) -> Vec<f64> {
-    rng.normals(n, 0.0, std)
-        .into_iter()
-        .map(|v| round_to(dtype, v))
-        .collect()
-}
-
 /// Interleaves rows of gate and up into rows of `[gate | up]`.
 fn pack(gate: &[f64], up: &[f64], inter: usize) -> Vec<f64> {
     gate.chunks(inter)

@@ -5,6 +5,7 @@
 //! PyTorch. Results are printed as Markdown and written as JSON, Markdown
 //! and PNG charts. `cargo xtask bench` builds and runs it.
 
+mod adamw;
 mod attention;
 mod chart;
 mod copy;
@@ -33,6 +34,7 @@ pub enum Runtime {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum OpName {
+    Adamw,
     RmsNorm,
     Swiglu,
     Geglu,
@@ -287,7 +289,8 @@ where
         ));
         let wanted = |op| args.op.is_none() || args.op == Some(op);
         type Bench<D> = fn(&D, &Args, &mut report::Report);
-        let benches: [(OpName, Bench<B::Device>); 7] = [
+        let benches: [(OpName, Bench<B::Device>); 8] = [
+            (OpName::Adamw, adamw::bench::<B>),
             (OpName::RmsNorm, rms_norm::bench::<B>),
             (OpName::Swiglu, swiglu::bench::<B>),
             (OpName::Geglu, geglu::bench::<B>),

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use bastile::BastileBackend;
-use bastile_models::{CausalLm, MicroBatch, TrainConfig, Trainer};
+use bastile_models::{CausalLm, MicroBatch, OptimizerKind, TrainConfig, Trainer};
 use burn::module::Module;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -46,6 +46,9 @@ pub struct FinetuneOptions {
     pub warmup_steps: Option<usize>,
     pub weight_decay: f32,
     pub max_grad_norm: Option<f32>,
+    pub optimizer: OptimizerKind,
+    /// f32 moments and master weights for half-precision parameters.
+    pub master_weights: bool,
     /// Write a checkpoint every this many steps.
     pub save_every: Option<usize>,
     pub dtype: DTypeArg,
@@ -141,6 +144,8 @@ impl Task for Finetune {
             total_steps: steps,
             weight_decay: o.weight_decay,
             max_grad_norm: o.max_grad_norm,
+            optimizer: o.optimizer,
+            master_weights: o.master_weights,
             ..Default::default()
         };
         let mut trainer = Trainer::<B>::new(config)?;

@@ -9,7 +9,8 @@ use bastile_cli::device::DeviceKind;
 use bastile_cli::finetune::{self, FinetuneOptions};
 use bastile_cli::generate::{self, GenerateOptions};
 use bastile_cli::{CliError, DTypeArg};
-use clap::{Args, Parser, Subcommand};
+use bastile_models::OptimizerKind;
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Parser)]
 #[command(
@@ -92,6 +93,13 @@ enum Command {
         /// Clip the global gradient norm (0: no clipping).
         #[arg(long, default_value_t = 1.0)]
         max_grad_norm: f32,
+        /// Bastile's fused AdamW, or Burn's (for comparison).
+        #[arg(long, value_enum, default_value_t = OptimizerArg::Fused)]
+        optimizer: OptimizerArg,
+        /// Keep f32 moments and an f32 master copy of bf16/f16 parameters
+        /// (HF Trainer's `bf16=True`); fused AdamW only.
+        #[arg(long)]
+        master_weights: bool,
         /// Save a checkpoint every N steps.
         #[arg(long)]
         save_every: Option<usize>,
@@ -122,6 +130,15 @@ enum Command {
     },
 }
 
+/// `--optimizer`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum OptimizerArg {
+    /// Bastile's fused AdamW: one kernel per parameter, the clip folded in.
+    Fused,
+    /// Burn's AdamW after a separate global-norm clip.
+    Burn,
+}
+
 fn main() -> ExitCode {
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
@@ -148,6 +165,8 @@ fn run(cli: Cli) -> Result<(), CliError> {
             warmup_steps,
             weight_decay,
             max_grad_norm,
+            optimizer,
+            master_weights,
             save_every,
             log_every,
             common,
@@ -168,6 +187,11 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 warmup_steps,
                 weight_decay,
                 max_grad_norm: (max_grad_norm > 0.0).then_some(max_grad_norm),
+                optimizer: match optimizer {
+                    OptimizerArg::Fused => OptimizerKind::Fused,
+                    OptimizerArg::Burn => OptimizerKind::Burn,
+                },
+                master_weights,
                 save_every,
                 dtype: common.dtype,
                 seed: common.seed,

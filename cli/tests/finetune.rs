@@ -11,6 +11,7 @@ use bastile_cli::finetune::{self, FinetuneOptions, FinetuneReport};
 use bastile_cli::generate::{self, GenerateOptions};
 use bastile_cli::{CliError, DTypeArg};
 use bastile_cubecl::testing::runtime_selected;
+use bastile_models::OptimizerKind;
 
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("bastile-ft-{name}-{}", std::process::id()));
@@ -35,6 +36,8 @@ fn options(output: PathBuf, steps: usize) -> FinetuneOptions {
         warmup_steps: None,
         weight_decay: 0.0,
         max_grad_norm: Some(1.0),
+        optimizer: OptimizerKind::Fused,
+        master_weights: false,
         save_every: None,
         dtype: DTypeArg::Auto,
         seed: 3,

@@ -19,4 +19,4 @@ pub mod train;
 pub use config::{Architecture, HfConfig, ModelConfig, MoeConfig};
 pub use error::ModelError;
 pub use model::CausalLm;
-pub use train::{MicroBatch, StepOutput, TrainConfig, Trainer};
+pub use train::{MicroBatch, OptimizerKind, StepOutput, TrainConfig, Trainer};

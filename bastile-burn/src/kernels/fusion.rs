@@ -12,6 +12,7 @@ use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
 use super::KernelBackend;
 use crate::RmsNormCast;
+use crate::ops::adamw::{AdamWStep, AdamWTensors};
 use crate::ops::attention::{AttentionGrads, AttentionSpec};
 use crate::ops::cross_entropy::LossSpec;
 use crate::ops::linear_cross_entropy::LinearGrads;
@@ -538,6 +539,39 @@ impl<B: FusionBackend + KernelBackend> KernelBackend for Fusion<B> {
             v,
             sinks,
         }
+    }
+
+    fn adamw_clip_kernel(
+        grads: Vec<FloatTensor<Self>>,
+        max_norm: Option<f64>,
+    ) -> FloatTensor<Self> {
+        let outputs = vec![(Shape::new([2]), DType::F32)];
+        let mut out = record::<B>("bastile_adamw_clip", grads, outputs, move |g| {
+            vec![B::adamw_clip_kernel(g, max_norm)]
+        });
+        out.pop().expect("one output")
+    }
+
+    fn adamw_update_kernel(
+        state: AdamWTensors<FloatTensor<Self>>,
+        grad: FloatTensor<Self>,
+        clip: Option<FloatTensor<Self>>,
+        hyper: AdamWStep,
+    ) -> AdamWTensors<FloatTensor<Self>> {
+        // Inputs: the state (3 or 4 tensors), the gradient, the clip factor.
+        let mut inputs = state.into_vec();
+        let outputs = inputs.iter().map(|t| (t.shape.clone(), t.dtype)).collect();
+        let state_len = inputs.len();
+        let clipped = clip.is_some();
+        inputs.push(grad);
+        inputs.extend(clip);
+        let out = record::<B>("bastile_adamw_update", inputs, outputs, move |mut i| {
+            let clip = clipped.then(|| i.pop().expect("the clip factor"));
+            let grad = i.pop().expect("the gradient");
+            debug_assert_eq!(i.len(), state_len);
+            B::adamw_update_kernel(AdamWTensors::from_vec(i), grad, clip, hyper).into_vec()
+        });
+        AdamWTensors::from_vec(out)
     }
 }
 

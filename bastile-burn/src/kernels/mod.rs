@@ -14,6 +14,7 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Device, Shape};
 
 use crate::RmsNormCast;
+use crate::ops::adamw::{AdamWStep, AdamWTensors};
 use crate::ops::attention::{AttentionGrads, AttentionSpec};
 use crate::ops::cross_entropy::LossSpec;
 use crate::ops::linear_cross_entropy::LinearGrads;
@@ -216,6 +217,26 @@ pub trait KernelBackend: Backend {
         _spec: AttentionSpec,
     ) -> AttentionGrads<FloatTensor<Self>> {
         unreachable!("attention_backward_kernel called on a backend that does not support it")
+    }
+
+    /// The global gradient norm and clip factor, `[scale, norm]` (f32),
+    /// for gradients whose dtypes `elementwise_supported` takes.
+    fn adamw_clip_kernel(
+        _grads: Vec<FloatTensor<Self>>,
+        _max_norm: Option<f64>,
+    ) -> FloatTensor<Self> {
+        unreachable!("adamw_clip_kernel called on a backend that does not support it")
+    }
+
+    /// One parameter's fused AdamW step, in place where the buffers are not
+    /// shared.
+    fn adamw_update_kernel(
+        _state: AdamWTensors<FloatTensor<Self>>,
+        _grad: FloatTensor<Self>,
+        _clip: Option<FloatTensor<Self>>,
+        _hyper: AdamWStep,
+    ) -> AdamWTensors<FloatTensor<Self>> {
+        unreachable!("adamw_update_kernel called on a backend that does not support it")
     }
 }
 

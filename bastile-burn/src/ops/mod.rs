@@ -8,6 +8,7 @@
 //!   `B`'s backward method (see each op's file), and takes the composite
 //!   path when `B` has no fused kernel for the input.
 
+pub mod adamw;
 pub mod attention;
 pub mod cross_entropy;
 pub mod geglu;
@@ -25,6 +26,7 @@ use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 use crate::{Bastile, BastileError, RmsNormCast, patches};
+use adamw::{AdamWStep, AdamWTensors};
 use attention::{AttentionGrads, AttentionSpec};
 use cross_entropy::{LossPair, LossSpec};
 use linear_cross_entropy::LinearGrads;
@@ -256,6 +258,23 @@ pub trait BastileBackend: Backend {
         spec: AttentionSpec,
     ) -> AttentionGrads<FloatTensor<Self>> {
         attention::composite_backward::<Self>(q, k, v, out, dout, sinks, key_lengths, spec)
+    }
+
+    /// `[scale, norm]` (f32 `[2]`): the global L2 norm of `grads` (at least
+    /// one) and the factor that clips it to `max_norm` (1 without a bound).
+    fn adamw_clip(grads: Vec<FloatTensor<Self>>, max_norm: Option<f64>) -> FloatTensor<Self> {
+        adamw::composite_clip::<Self>(grads, max_norm)
+    }
+
+    /// One parameter's AdamW step (flat tensors) with the gradient scaled
+    /// by `clip[0]`, skipped when the norm `clip[1]` is not finite.
+    fn adamw_update(
+        state: AdamWTensors<FloatTensor<Self>>,
+        grad: FloatTensor<Self>,
+        clip: Option<FloatTensor<Self>>,
+        hyper: AdamWStep,
+    ) -> AdamWTensors<FloatTensor<Self>> {
+        adamw::composite_update::<Self>(state, grad, clip, hyper)
     }
 }
 
@@ -522,6 +541,35 @@ impl<B: KernelBackend> BastileBackend for Bastile<B> {
             g
         } else {
             attention::composite_backward::<B>(q, k, v, out, dout, sinks, key_lengths, spec)
+        }
+    }
+
+    fn adamw_clip(grads: Vec<FloatTensor<Self>>, max_norm: Option<f64>) -> FloatTensor<Self> {
+        let device = B::float_device(&grads[0]);
+        if grads
+            .iter()
+            .all(|g| B::elementwise_supported(&device, g.dtype()))
+        {
+            B::adamw_clip_kernel(grads, max_norm)
+        } else {
+            adamw::composite_clip::<B>(grads, max_norm)
+        }
+    }
+
+    fn adamw_update(
+        state: AdamWTensors<FloatTensor<Self>>,
+        grad: FloatTensor<Self>,
+        clip: Option<FloatTensor<Self>>,
+        hyper: AdamWStep,
+    ) -> AdamWTensors<FloatTensor<Self>> {
+        let device = B::float_device(&state.param);
+        let fused = [&state.param, &grad, &state.moment1]
+            .into_iter()
+            .all(|t| B::elementwise_supported(&device, t.dtype()));
+        if fused {
+            B::adamw_update_kernel(state, grad, clip, hyper)
+        } else {
+            adamw::composite_update::<B>(state, grad, clip, hyper)
         }
     }
 }

@@ -4,6 +4,7 @@
 //! value the kernel's dtype can hold, for the spots where the semantics
 //! round an intermediate (e.g. RMSNorm's Llama cast).
 
+pub mod adamw;
 pub mod attention;
 pub mod cross_entropy;
 pub mod geglu;

@@ -2,6 +2,7 @@
 //! them (copying only when their strides do not allow it), allocate the
 //! outputs, run the autotuned kernel. One file per op.
 
+mod adamw;
 mod attention;
 mod attention_products;
 mod cross_entropy;
@@ -24,6 +25,7 @@ use bastile_cubecl::rows::Rows;
 
 use super::{KernelBackend, kernel_dtype};
 use crate::RmsNormCast;
+use crate::ops::adamw::{AdamWStep, AdamWTensors};
 use crate::ops::attention::{AttentionGrads, AttentionSpec};
 use crate::ops::cross_entropy::LossSpec;
 use crate::ops::linear_cross_entropy::LinearGrads;
@@ -298,5 +300,21 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KernelBack
         } else {
             attention::backward(q, k, v, out, lse, dout, sinks, key_lengths, spec)
         }
+    }
+
+    fn adamw_clip_kernel(
+        grads: Vec<FloatTensor<Self>>,
+        max_norm: Option<f64>,
+    ) -> FloatTensor<Self> {
+        adamw::clip(grads, max_norm)
+    }
+
+    fn adamw_update_kernel(
+        state: AdamWTensors<FloatTensor<Self>>,
+        grad: FloatTensor<Self>,
+        clip: Option<FloatTensor<Self>>,
+        hyper: AdamWStep,
+    ) -> AdamWTensors<FloatTensor<Self>> {
+        adamw::update(state, grad, clip, hyper)
     }
 }

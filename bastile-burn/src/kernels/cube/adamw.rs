@@ -1,0 +1,92 @@
+//! The fused AdamW step on `CubeBackend`: the gradients' global norm into
+//! one small buffer, then each parameter updated in place.
+
+use burn::tensor::{DType, Shape, TensorMetadata};
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+
+use bastile_cubecl::FloatDtype;
+use bastile_cubecl::adamw::{self, AdamWBuffers, AdamWProblem, AdamWStep};
+
+use super::empty_like;
+use crate::kernels::kernel_dtype;
+use crate::ops::adamw::AdamWTensors;
+
+fn dtype_of<R: CubeRuntime>(t: &CubeTensor<R>) -> FloatDtype {
+    kernel_dtype(t.dtype).expect("a dtype the support check took")
+}
+
+/// `t` contiguous and held by nobody else, so the update may write it in
+/// place: the optimizer normally holds the only reference, and a copy is
+/// made only when it does not.
+fn writable<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
+    let t = into_contiguous(t);
+    if t.can_mut() { t } else { t.copy() }
+}
+
+pub(super) fn clip<R: CubeRuntime>(
+    grads: Vec<CubeTensor<R>>,
+    max_norm: Option<f64>,
+) -> CubeTensor<R> {
+    let grads: Vec<CubeTensor<R>> = grads.into_iter().map(into_contiguous).collect();
+    let first = &grads[0];
+    let client = &first.client;
+    let lens: Vec<usize> = grads.iter().map(|g| g.shape().num_elements()).collect();
+    let total: usize = lens.iter().map(|&n| adamw::norm_slots(client, n)).sum();
+    let partials = empty_like(first, Shape::new([total]), DType::F32);
+    let mut offset = 0;
+    for (g, &len) in grads.iter().zip(&lens) {
+        adamw::sum_squares(
+            client,
+            &g.handle,
+            len,
+            dtype_of(g),
+            &partials.handle,
+            offset,
+        )
+        .unwrap_or_else(|e| panic!("gradient norm launch after a positive support check: {e}"));
+        offset += adamw::norm_slots(client, len);
+    }
+    let out = empty_like(first, Shape::new([2]), DType::F32);
+    adamw::clip_scale(client, &partials.handle, total, max_norm, &out.handle)
+        .unwrap_or_else(|e| panic!("gradient clip launch after a positive support check: {e}"));
+    out
+}
+
+pub(super) fn update<R: CubeRuntime>(
+    state: AdamWTensors<CubeTensor<R>>,
+    grad: CubeTensor<R>,
+    clip: Option<CubeTensor<R>>,
+    hyper: AdamWStep,
+) -> AdamWTensors<CubeTensor<R>> {
+    let param = writable(state.param);
+    let moment1 = writable(state.moment1);
+    let moment2 = writable(state.moment2);
+    let master = state.master.map(writable);
+    let grad = into_contiguous(grad);
+    let clip = clip.map(into_contiguous);
+    let problem = AdamWProblem {
+        len: param.shape().num_elements(),
+        param: dtype_of(&param),
+        grad: dtype_of(&grad),
+        moments: dtype_of(&moment1),
+        master: master.is_some(),
+    };
+    let buffers = AdamWBuffers {
+        param: param.handle.clone(),
+        grad: grad.handle.clone(),
+        moment1: moment1.handle.clone(),
+        moment2: moment2.handle.clone(),
+        master: master.as_ref().map(|m| m.handle.clone()),
+        clip: clip.as_ref().map(|c| c.handle.clone()),
+    };
+    adamw::update(&param.client, &problem, &hyper, &buffers)
+        .unwrap_or_else(|e| panic!("AdamW launch after a positive support check: {e}"));
+    AdamWTensors {
+        param,
+        moment1,
+        moment2,
+        master,
+    }
+}

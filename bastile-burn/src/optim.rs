@@ -1,0 +1,436 @@
+//! [`AdamW`]: Burn's [`Optimizer`] on Bastile's fused step, for any Burn
+//! module.
+//!
+//! A step is one global-norm reduction over every gradient (two kernels of
+//! its own) and one fused kernel per parameter that reads the parameter,
+//! its gradient and both moments once and writes them back, instead of
+//! about fourteen element-wise ops per parameter and a clip of its own.
+//! The math is `torch.optim.AdamW`'s (decoupled weight decay, bias
+//! correction), in f32 whatever the storage dtypes, with
+//! `clip_grad_norm_`'s global-norm clip folded in. On backends without the
+//! kernels the same step runs as plain Burn ops.
+//!
+//! A step whose gradients hold a NaN or an infinity changes nothing
+//! (parameters, master weights, moments); [`AdamW::last_norm`] gives the
+//! step's gradient norm, on the device, for the caller to read and report
+//! when it reads the loss.
+//!
+//! ```rust
+//! use bastile::optim::AdamWConfig;
+//! use burn::backend::{Autodiff, NdArray};
+//! use burn::nn::LinearConfig;
+//! use burn::optim::{GradientsParams, Optimizer};
+//! use burn::tensor::{Distribution, Tensor};
+//!
+//! type B = Autodiff<NdArray>;
+//! let device = Default::default();
+//! let mut model = LinearConfig::new(8, 4).init::<B>(&device);
+//! let mut optimizer = AdamWConfig::new().with_weight_decay(0.01).init::<B>()?;
+//! for _ in 0..3 {
+//!     let x = Tensor::<B, 2>::random([2, 8], Distribution::Default, &device);
+//!     let loss = model.forward(x).powi_scalar(2).mean();
+//!     let grads = GradientsParams::from_grads(loss.backward(), &model);
+//!     model = optimizer.step(1e-3, model, grads);
+//! }
+//! let norm = optimizer.last_norm().expect("a step ran").into_scalar();
+//! assert!(norm.is_finite());
+//! # Ok::<(), bastile::BastileError>(())
+//! ```
+
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::{GradientsParams, LearningRate, MultiGradientsParams, Optimizer};
+use burn::record::Record;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Tensor};
+// Burn implements `Record` for hashbrown's map.
+use hashbrown::HashMap;
+
+use crate::ops::adamw::{AdamWStep, AdamWTensors, flat};
+use crate::ops::float;
+use crate::{BastileBackend, BastileError};
+
+/// The dtype the moments are kept in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum MomentDtype {
+    /// The parameter's own dtype, as `torch.optim.AdamW` keeps them.
+    #[default]
+    Param,
+    /// f32, whatever the parameter's dtype.
+    F32,
+}
+
+/// The settings of [`AdamW`]; the defaults are HF Trainer's.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdamWConfig {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub epsilon: f64,
+    /// Decoupled weight decay (`p ← p·(1 − lr·λ)` before the update).
+    pub weight_decay: f64,
+    /// Clip the global gradient norm to this; `None` leaves the gradients
+    /// as they are (the norm is still computed, to skip non-finite steps).
+    pub max_grad_norm: Option<f64>,
+    pub moments: MomentDtype,
+    /// Keep an f32 master copy of every parameter that is not f32 and
+    /// update that, the parameter receiving its rounding: mixed precision
+    /// as HF Trainer's `bf16=True` runs it. Moments are then f32 too.
+    pub master_weights: bool,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        Self {
+            beta1: 0.9,
+            beta2: 0.999,
+            epsilon: 1e-8,
+            weight_decay: 0.0,
+            max_grad_norm: Some(1.0),
+            moments: MomentDtype::Param,
+            master_weights: false,
+        }
+    }
+}
+
+impl AdamWConfig {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn with_betas(mut self, beta1: f64, beta2: f64) -> Self {
+        (self.beta1, self.beta2) = (beta1, beta2);
+        self
+    }
+
+    pub fn with_epsilon(mut self, epsilon: f64) -> Self {
+        self.epsilon = epsilon;
+        self
+    }
+
+    pub fn with_weight_decay(mut self, weight_decay: f64) -> Self {
+        self.weight_decay = weight_decay;
+        self
+    }
+
+    pub fn with_max_grad_norm(mut self, max_grad_norm: Option<f64>) -> Self {
+        self.max_grad_norm = max_grad_norm;
+        self
+    }
+
+    pub fn with_moments(mut self, moments: MomentDtype) -> Self {
+        self.moments = moments;
+        self
+    }
+
+    pub fn with_master_weights(mut self, master_weights: bool) -> Self {
+        self.master_weights = master_weights;
+        self
+    }
+
+    /// The step's hyper-parameters at `step` (from 1).
+    fn hyper(&self, learning_rate: f64, step: u64) -> AdamWStep {
+        AdamWStep {
+            learning_rate,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            epsilon: self.epsilon,
+            weight_decay: self.weight_decay,
+            step,
+        }
+    }
+
+    /// Checks the settings and makes the optimizer.
+    pub fn init<B: AutodiffBackend>(&self) -> Result<AdamW<B>, BastileError>
+    where
+        B::InnerBackend: BastileBackend,
+    {
+        self.hyper(0.0, 1)
+            .validate()
+            .map_err(|e| BastileError::Config(format!("AdamW: {e}")))?;
+        if let Some(max) = self.max_grad_norm
+            && !(max.is_finite() && max > 0.0)
+        {
+            return Err(BastileError::Config(format!(
+                "AdamW: max_grad_norm must be positive, got {max}"
+            )));
+        }
+        Ok(AdamW {
+            config: self.clone(),
+            step: 0,
+            states: HashMap::new(),
+            last_norm: None,
+        })
+    }
+}
+
+/// One parameter's optimizer state, flat (`[numel]`).
+#[derive(Record, Clone, Debug)]
+pub struct AdamWState<B: Backend> {
+    pub moment1: Tensor<B, 1>,
+    pub moment2: Tensor<B, 1>,
+    /// The f32 master weights (mixed precision).
+    pub master: Option<Tensor<B, 1>>,
+}
+
+/// What [`AdamW`] saves and loads: the step count (the bias corrections
+/// depend on it) and every parameter's state, as tensors of the training
+/// backend `B`.
+#[derive(Record, Clone)]
+pub struct AdamWRecord<B: Backend> {
+    pub step: u64,
+    pub states: HashMap<ParamId, AdamWState<B>>,
+}
+
+/// The fused AdamW optimizer; see the [module](self) documentation.
+#[derive(Clone)]
+pub struct AdamW<B: AutodiffBackend> {
+    config: AdamWConfig,
+    step: u64,
+    states: HashMap<ParamId, AdamWState<B::InnerBackend>>,
+    last_norm: Option<Tensor<B::InnerBackend, 1>>,
+}
+
+impl<B: AutodiffBackend> AdamW<B>
+where
+    B::InnerBackend: BastileBackend,
+{
+    pub fn config(&self) -> &AdamWConfig {
+        &self.config
+    }
+
+    /// Steps taken.
+    pub fn steps(&self) -> u64 {
+        self.step
+    }
+
+    /// The global gradient norm of the last step (before clipping), as a
+    /// device tensor of one element: not finite when that step was skipped.
+    /// Reading it waits for the step, so read it with the loss.
+    pub fn last_norm(&self) -> Option<Tensor<B::InnerBackend, 1>> {
+        self.last_norm.clone().map(|t| t.slice(1..2))
+    }
+
+    fn step_with<M: AutodiffModule<B>>(
+        &mut self,
+        lr: LearningRate,
+        module: M,
+        grads: &mut GradientsParams,
+    ) -> M {
+        let mut found = CollectGrads::<B> {
+            grads,
+            found: HashMap::new(),
+            order: Vec::new(),
+        };
+        module.visit(&mut found);
+        let CollectGrads { found, order, .. } = found;
+        if order.is_empty() {
+            return module;
+        }
+        self.step += 1;
+        let all: Vec<FloatTensor<B::InnerBackend>> = order
+            .iter()
+            .map(|id| found[id].clone().into_primitive().tensor())
+            .collect();
+        let clip = B::InnerBackend::adamw_clip(all, self.config.max_grad_norm);
+        self.last_norm = Some(float(clip.clone()));
+        let hyper = self.config.hyper(lr, self.step);
+        module.map(&mut Update::<B> {
+            config: &self.config,
+            states: &mut self.states,
+            grads: found,
+            clip,
+            hyper,
+        })
+    }
+}
+
+/// Takes the gradient of every float parameter out of the step's
+/// gradients, flat.
+struct CollectGrads<'a, B: AutodiffBackend> {
+    grads: &'a mut GradientsParams,
+    found: HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
+    /// The parameters in the module's order, which fixes the order the
+    /// norm sums them in.
+    order: Vec<ParamId>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for CollectGrads<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+            self.found.insert(
+                param.id,
+                flat::<B::InnerBackend>(g.into_primitive().tensor()),
+            );
+            self.order.push(param.id);
+        }
+    }
+}
+
+/// Replaces every parameter that has a gradient by its updated value.
+struct Update<'a, B: AutodiffBackend> {
+    config: &'a AdamWConfig,
+    states: &'a mut HashMap<ParamId, AdamWState<B::InnerBackend>>,
+    grads: HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
+    clip: FloatTensor<B::InnerBackend>,
+    hyper: AdamWStep,
+}
+
+impl<B: AutodiffBackend> Update<'_, B>
+where
+    B::InnerBackend: BastileBackend,
+{
+    /// Whether a parameter of `dtype` has an f32 master copy, and the dtype
+    /// of its moments.
+    fn layout(&self, dtype: DType) -> (bool, DType) {
+        let master = self.config.master_weights && dtype != DType::F32;
+        let moments = if master || self.config.moments == MomentDtype::F32 {
+            DType::F32
+        } else {
+            dtype
+        };
+        (master, moments)
+    }
+
+    /// The state of `weights` for this step: zero moments (and the master
+    /// copy) before its first step; a loaded state in the dtypes the
+    /// settings give, whatever precision its record was saved in.
+    fn state(
+        &self,
+        weights: &Tensor<B::InnerBackend, 1>,
+        saved: Option<AdamWState<B::InnerBackend>>,
+    ) -> AdamWState<B::InnerBackend> {
+        let (master, moments) = self.layout(weights.dtype());
+        match saved {
+            Some(s) => AdamWState {
+                moment1: s.moment1.cast(moments),
+                moment2: s.moment2.cast(moments),
+                master: s.master.map(|m| m.cast(DType::F32)),
+            },
+            None => {
+                let zeros = Tensor::zeros_like(weights).cast(moments);
+                AdamWState {
+                    moment1: zeros.clone(),
+                    moment2: zeros,
+                    master: master.then(|| weights.clone().cast(DType::F32)),
+                }
+            }
+        }
+    }
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Update<'_, B>
+where
+    B::InnerBackend: BastileBackend,
+{
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let Some(grad) = self.grads.remove(&id) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let require_grad = tensor.is_require_grad();
+        let dims = tensor.dims();
+        let weights = tensor.inner().reshape([dims.iter().product::<usize>()]);
+        let grad = grad.to_device(&weights.device());
+        let saved = self.states.remove(&id);
+        let state = self.state(&weights, saved);
+        let updated = B::InnerBackend::adamw_update(
+            AdamWTensors {
+                param: weights.into_primitive().tensor(),
+                moment1: state.moment1.into_primitive().tensor(),
+                moment2: state.moment2.into_primitive().tensor(),
+                master: state.master.map(|m| m.into_primitive().tensor()),
+            },
+            grad.into_primitive().tensor(),
+            Some(self.clip.clone()),
+            self.hyper,
+        );
+        self.states.insert(
+            id,
+            AdamWState {
+                moment1: float(updated.moment1),
+                moment2: float(updated.moment2),
+                master: updated.master.map(float),
+            },
+        );
+        let weights: Tensor<B::InnerBackend, 1> = float(updated.param);
+        let mut tensor = Tensor::from_inner(weights.reshape(dims));
+        if require_grad {
+            tensor = tensor.require_grad();
+        }
+        Param::from_mapped_value(id, tensor, mapper)
+    }
+}
+
+/// Moves every gradient of a multi-device step into one set, each summed on
+/// the device Burn assigns its parameter.
+struct Gather<'a> {
+    multi: &'a mut MultiGradientsParams,
+    into: GradientsParams,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Gather<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some((g, _)) = self.multi.remove::<B::InnerBackend, D>(param.id) {
+            self.into.register::<B::InnerBackend, D>(param.id, g);
+        }
+    }
+}
+
+impl<B, M> Optimizer<M, B> for AdamW<B>
+where
+    B: AutodiffBackend,
+    B::InnerBackend: BastileBackend,
+    M: AutodiffModule<B>,
+{
+    type Record = AdamWRecord<B>;
+
+    fn step(&mut self, lr: LearningRate, module: M, mut grads: GradientsParams) -> M {
+        self.step_with(lr, module, &mut grads)
+    }
+
+    fn step_multi(&mut self, lr: LearningRate, module: M, mut grads: MultiGradientsParams) -> M {
+        let mut gather = Gather {
+            multi: &mut grads,
+            into: GradientsParams::new(),
+        };
+        module.visit(&mut gather);
+        let mut single = gather.into;
+        self.step_with(lr, module, &mut single)
+    }
+
+    fn to_record(&self) -> Self::Record {
+        let states = self
+            .states
+            .iter()
+            .map(|(id, s)| {
+                let state = AdamWState {
+                    moment1: Tensor::from_inner(s.moment1.clone()),
+                    moment2: Tensor::from_inner(s.moment2.clone()),
+                    master: s.master.clone().map(Tensor::from_inner),
+                };
+                (*id, state)
+            })
+            .collect();
+        AdamWRecord {
+            step: self.step,
+            states,
+        }
+    }
+
+    fn load_record(mut self, record: Self::Record) -> Self {
+        self.step = record.step;
+        self.states = record
+            .states
+            .into_iter()
+            .map(|(id, s)| {
+                let state = AdamWState {
+                    moment1: s.moment1.inner(),
+                    moment2: s.moment2.inner(),
+                    master: s.master.map(Tensor::inner),
+                };
+                (id, state)
+            })
+            .collect();
+        self
+    }
+}

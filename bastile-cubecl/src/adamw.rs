@@ -1,0 +1,511 @@
+//! AdamW, fused: one launch per parameter reads the parameter, its gradient
+//! and both moments once and writes them back updated, the arithmetic in
+//! f32 whatever the storage dtypes; and the global gradient norm that
+//! clipping and the non-finite check need, reduced on the device in two
+//! stages (one f32 partial per cube of every gradient, then one cube over
+//! all partials), so the host never waits for it.
+//!
+//! For the gradient `g` scaled by the clip factor `s`, step `t` (from 1),
+//! learning rate `lr`, weight decay `λ`:
+//!
+//! ```text
+//! m ← β1·m + (1 − β1)·s·g
+//! v ← β2·v + (1 − β2)·(s·g)²
+//! p ← p·(1 − lr·λ) − lr · (m / (1 − β1ᵗ)) / (√(v / (1 − β2ᵗ)) + ε)
+//! ```
+//!
+//! as `torch.optim.AdamW` and Burn's `AdamW` compute it. With a master copy
+//! `p` is the f32 master weight and the parameter receives its rounding
+//! (mixed precision as HF Trainer's `bf16=True` runs it).
+//!
+//! The clip factor is `min(1, max_norm / (‖g‖ + 1e-6))` over every gradient
+//! of the step, as `torch.nn.utils.clip_grad_norm_` computes it. When that
+//! norm is not finite (a NaN or infinite gradient anywhere), the update
+//! writes nothing: parameters, master weights and moments stay as they
+//! were, and the caller reads the norm back to report the step.
+
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+
+use crate::elementwise::{Tile, TileLaunch, tile_item};
+use crate::reduce::{RowReduce, lane_sum, row_sum, row_sum_scratch};
+use crate::{FloatDtype, KernelError, launch};
+
+/// Units per cube of the norm reductions.
+const NORM_UNITS: u32 = 256;
+/// Cubes per streaming multiprocessor a gradient's partial sums use at
+/// most: enough to fill the device, few enough that the partials of every
+/// gradient of a model stay a small buffer.
+const NORM_CUBES_PER_SM: usize = 4;
+/// The update's tile: 256 units, four vectors each.
+const UPDATE_TILE: TileLaunch = TileLaunch {
+    vector_size: 0,
+    units_per_cube: 256,
+    items_per_unit: 4,
+};
+/// The guard `clip_grad_norm_` adds to the norm before dividing by it.
+const NORM_GUARD: f32 = 1e-6;
+
+/// The hyper-parameters of one optimizer step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWStep {
+    pub learning_rate: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub epsilon: f64,
+    pub weight_decay: f64,
+    /// The step number, from 1: the bias corrections depend on it.
+    pub step: u64,
+}
+
+impl AdamWStep {
+    /// Checks the values: a bad one would silently corrupt every parameter.
+    pub fn validate(&self) -> Result<(), KernelError> {
+        let bad = |why: String| Err(KernelError::Shape(why));
+        let unit = |x: f64| x.is_finite() && (0.0..1.0).contains(&x);
+        if !(self.learning_rate.is_finite() && self.learning_rate >= 0.0) {
+            return bad(format!(
+                "the learning rate must be finite and >= 0, got {}",
+                self.learning_rate
+            ));
+        }
+        if !unit(self.beta1) || !unit(self.beta2) {
+            return bad(format!(
+                "betas must lie in [0, 1), got ({}, {})",
+                self.beta1, self.beta2
+            ));
+        }
+        if !(self.epsilon.is_finite() && self.epsilon > 0.0) {
+            return bad(format!("epsilon must be > 0, got {}", self.epsilon));
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return bad(format!(
+                "weight decay must be >= 0, got {}",
+                self.weight_decay
+            ));
+        }
+        if self.step == 0 {
+            return bad("steps count from 1 (the bias corrections divide by 1 − βᵗ)".into());
+        }
+        Ok(())
+    }
+
+    /// `1 − βᵗ` for both moments, in f64 before the kernel's f32.
+    pub fn bias_corrections(&self) -> (f64, f64) {
+        let t = self.step.min(i32::MAX as u64) as i32;
+        (1.0 - self.beta1.powi(t), 1.0 - self.beta2.powi(t))
+    }
+}
+
+/// One parameter's update: `len` elements in contiguous buffers.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWProblem {
+    pub len: usize,
+    pub param: FloatDtype,
+    pub grad: FloatDtype,
+    /// The dtype both moments are stored in.
+    pub moments: FloatDtype,
+    /// Whether an f32 master copy of the parameter is updated (and the
+    /// parameter receives its rounding).
+    pub master: bool,
+}
+
+/// The buffers of one parameter's update, each `len` contiguous elements
+/// of its dtype; the parameter, the moments and the master copy are
+/// updated in place.
+#[derive(Clone, Debug)]
+pub struct AdamWBuffers {
+    pub param: Handle,
+    pub grad: Handle,
+    pub moment1: Handle,
+    pub moment2: Handle,
+    /// The f32 master copy, when the problem has one.
+    pub master: Option<Handle>,
+    /// `[scale, norm]` (f32) from [`clip_scale`]; `None` takes the gradient
+    /// as it is and skips no step.
+    pub clip: Option<Handle>,
+}
+
+fn check_len(
+    what: &str,
+    handle: &Handle,
+    len: usize,
+    dtype: FloatDtype,
+) -> Result<(), KernelError> {
+    let needed = (len * dtype.size()) as u64;
+    if handle.size_in_used() < needed {
+        return Err(KernelError::Shape(format!(
+            "{what}: {} bytes hold fewer than {len} {dtype} elements",
+            handle.size_in_used()
+        )));
+    }
+    Ok(())
+}
+
+impl AdamWProblem {
+    fn validate(&self, buffers: &AdamWBuffers) -> Result<(), KernelError> {
+        check_len("the parameter", &buffers.param, self.len, self.param)?;
+        check_len("the gradient", &buffers.grad, self.len, self.grad)?;
+        check_len("the first moment", &buffers.moment1, self.len, self.moments)?;
+        check_len(
+            "the second moment",
+            &buffers.moment2,
+            self.len,
+            self.moments,
+        )?;
+        match (&buffers.master, self.master) {
+            (Some(m), true) => check_len("the master weights", m, self.len, FloatDtype::F32)?,
+            (None, false) => {}
+            (None, true) => {
+                return Err(KernelError::Shape(
+                    "the problem updates master weights but none were given".into(),
+                ));
+            }
+            (Some(_), false) => {
+                return Err(KernelError::Shape(
+                    "master weights were given to a problem without them".into(),
+                ));
+            }
+        }
+        if let Some(clip) = &buffers.clip {
+            check_len("the clip factor", clip, 2, FloatDtype::F32)?;
+        }
+        Ok(())
+    }
+
+    /// The widest vector every buffer of the update loads whole and
+    /// aligned (a buffer may start inside a larger one).
+    fn vector_size<R: Runtime>(&self, client: &ComputeClient<R>, buffers: &AdamWBuffers) -> usize {
+        let mut views = vec![
+            (self.param, &buffers.param),
+            (self.grad, &buffers.grad),
+            (self.moments, &buffers.moment1),
+            (self.moments, &buffers.moment2),
+        ];
+        if let Some(master) = &buffers.master {
+            views.push((FloatDtype::F32, master));
+        }
+        views
+            .into_iter()
+            .map(|(dtype, handle)| aligned_vector_size(client, dtype, self.len, handle))
+            .min()
+            .unwrap_or(1)
+    }
+}
+
+/// The widest vector that divides `len` and the start of `handle`'s view.
+fn aligned_vector_size<R: Runtime>(
+    client: &ComputeClient<R>,
+    dtype: FloatDtype,
+    len: usize,
+    handle: &Handle,
+) -> usize {
+    let start = handle.offset_start.unwrap_or(0) as usize / dtype.size();
+    launch::vector_size(client, dtype, launch::gcd(len, start))
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct UpdateConfig {
+    tile: Tile,
+    master: bool,
+    clipped: bool,
+}
+
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn adamw_kernel<P: Float, G: Float, M: Float, N: Size>(
+    param: &mut Tensor<Vector<P, N>>,
+    grad: &Tensor<Vector<G, N>>,
+    moment1: &mut Tensor<Vector<M, N>>,
+    moment2: &mut Tensor<Vector<M, N>>,
+    master: &mut Tensor<Vector<f32, N>>,
+    clip: &Tensor<f32>,
+    vecs: usize,
+    learning_rate: f32,
+    decay: f32,
+    beta1: f32,
+    beta2: f32,
+    // `1 − β` computed in f64: `1 − β` of an f32 β (0.999) is off by 1e-5.
+    gain1: f32,
+    gain2: f32,
+    bias1: f32,
+    bias2: f32,
+    epsilon: f32,
+    #[comptime] cfg: UpdateConfig,
+    #[define(P, G, M)] _dtypes: [StorageType; 3],
+) {
+    let mut scale = 1.0f32;
+    let mut skip = false;
+    if comptime![cfg.clipped] {
+        scale = clip[0];
+        let norm = clip[1];
+        skip = norm.is_nan() || norm.is_inf();
+    }
+    if !skip {
+        let b1 = Vector::<f32, N>::new(beta1);
+        let b2 = Vector::<f32, N>::new(beta2);
+        let k1 = Vector::<f32, N>::new(gain1);
+        let k2 = Vector::<f32, N>::new(gain2);
+        #[unroll]
+        for k in 0..cfg.tile.items_per_unit as usize {
+            let i = tile_item(k, cfg.tile);
+            if i < vecs {
+                let g = Vector::<f32, N>::cast_from(grad[i]) * Vector::new(scale);
+                let m = b1 * Vector::cast_from(moment1[i]) + k1 * g;
+                let v = b2 * Vector::cast_from(moment2[i]) + k2 * g * g;
+                let p = if comptime![cfg.master] {
+                    master[i]
+                } else {
+                    Vector::<f32, N>::cast_from(param[i])
+                };
+                let m_hat = m / Vector::new(bias1);
+                let v_hat = v / Vector::new(bias2);
+                let step = m_hat / (v_hat.sqrt() + Vector::new(epsilon));
+                let p = p * Vector::new(decay) - step * Vector::new(learning_rate);
+                moment1[i] = Vector::cast_from(m);
+                moment2[i] = Vector::cast_from(v);
+                if comptime![cfg.master] {
+                    master[i] = p;
+                }
+                param[i] = Vector::cast_from(p);
+            }
+        }
+    }
+}
+
+/// Updates one parameter, its moments (and master copy) in place.
+pub fn update<R: Runtime>(
+    client: &ComputeClient<R>,
+    problem: &AdamWProblem,
+    hyper: &AdamWStep,
+    buffers: &AdamWBuffers,
+) -> Result<(), KernelError> {
+    hyper.validate()?;
+    problem.validate(buffers)?;
+    if problem.len == 0 {
+        return Ok(());
+    }
+    let v = problem.vector_size(client, buffers);
+    let vecs = problem.len / v;
+    let tile = TileLaunch {
+        vector_size: v,
+        ..UPDATE_TILE
+    };
+    tile.check(client)?;
+    let cfg = UpdateConfig {
+        tile: tile.tile(1),
+        master: problem.master,
+        clipped: buffers.clip.is_some(),
+    };
+    let dummy = client.empty(16);
+    let arg = |handle: &Handle, len: usize| unsafe {
+        TensorArg::<R>::from_raw_parts(handle.clone(), [1].into(), [len].into())
+    };
+    let master = buffers.master.as_ref().unwrap_or(&dummy);
+    let clip = buffers.clip.as_ref().unwrap_or(&dummy);
+    let (bias1, bias2) = hyper.bias_corrections();
+    let decay = 1.0 - hyper.learning_rate * hyper.weight_decay;
+    unsafe {
+        adamw_kernel::launch_unchecked::<R>(
+            client,
+            tile.cube_count(client, vecs)?,
+            tile.cube_dim(),
+            v,
+            arg(&buffers.param, problem.len),
+            arg(&buffers.grad, problem.len),
+            arg(&buffers.moment1, problem.len),
+            arg(&buffers.moment2, problem.len),
+            arg(master, if problem.master { problem.len } else { v }),
+            arg(clip, 2),
+            vecs,
+            hyper.learning_rate as f32,
+            decay as f32,
+            hyper.beta1 as f32,
+            hyper.beta2 as f32,
+            (1.0 - hyper.beta1) as f32,
+            (1.0 - hyper.beta2) as f32,
+            bias1 as f32,
+            bias2 as f32,
+            hyper.epsilon as f32,
+            cfg,
+            [
+                problem.param.storage(),
+                problem.grad.storage(),
+                problem.moments.storage(),
+            ],
+        )
+    }
+    Ok(())
+}
+
+/// How the units of a norm cube combine their sums on this device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct NormConfig {
+    reduce: RowReduce,
+    slots: u32,
+}
+
+fn norm_config<R: Runtime>(client: &ComputeClient<R>) -> Result<NormConfig, KernelError> {
+    let planes = launch::plane_sizes(client);
+    let reduce = if planes.ops && NORM_UNITS.is_multiple_of(planes.max) {
+        RowReduce::Plane
+    } else {
+        RowReduce::Shared
+    };
+    let slots = row_sum_scratch(reduce, NORM_UNITS, 1, planes.min);
+    launch::check_cube_fits(client, NORM_UNITS, slots * 4)?;
+    Ok(NormConfig {
+        reduce,
+        slots: slots as u32,
+    })
+}
+
+/// The partial sums a gradient of `len` elements writes: one per cube of
+/// its [`sum_squares`] launch. Offsets into a shared partials buffer are
+/// the running sum of these over the step's gradients.
+pub fn norm_slots<R: Runtime>(client: &ComputeClient<R>, len: usize) -> usize {
+    // A cube takes at least four elements a unit: fewer would leave most
+    // of its units idle.
+    let most = NORM_CUBES_PER_SM * launch::parallel_units(client);
+    len.div_ceil(4 * NORM_UNITS as usize).clamp(1, most)
+}
+
+#[cube(launch_unchecked)]
+fn sum_squares_kernel<G: Float, N: Size>(
+    grad: &Tensor<Vector<G, N>>,
+    partials: &mut Tensor<f32>,
+    vecs: usize,
+    chunk: usize,
+    offset: usize,
+    #[comptime] cfg: NormConfig,
+    #[define(G)] _dtype: StorageType,
+) {
+    let units = comptime![NORM_UNITS as usize];
+    let start = CUBE_POS * chunk;
+    let mut acc = Vector::<f32, N>::new(0.0);
+    for k in 0..chunk.div_ceil(units) {
+        let i = start + k * units + UNIT_POS as usize;
+        if i < start + chunk && i < vecs {
+            let g = Vector::<f32, N>::cast_from(grad[i]);
+            acc += g * g;
+        }
+    }
+    let mut scratch = SharedMemory::<f32>::new(cfg.slots as usize);
+    let total = row_sum(
+        lane_sum(acc),
+        &mut scratch,
+        NORM_UNITS,
+        cfg.slots,
+        cfg.reduce,
+    );
+    if UNIT_POS == 0 {
+        partials[offset + CUBE_POS] = total;
+    }
+}
+
+/// Writes the sums of squares of `grad` (`len` contiguous elements of
+/// `dtype`) into `partials[offset .. offset + norm_slots(len)]` (f32).
+pub fn sum_squares<R: Runtime>(
+    client: &ComputeClient<R>,
+    grad: &Handle,
+    len: usize,
+    dtype: FloatDtype,
+    partials: &Handle,
+    offset: usize,
+) -> Result<(), KernelError> {
+    check_len("the gradient", grad, len, dtype)?;
+    let slots = norm_slots(client, len);
+    check_len(
+        "the norm partials",
+        partials,
+        offset + slots,
+        FloatDtype::F32,
+    )?;
+    let cfg = norm_config(client)?;
+    let v = aligned_vector_size(client, dtype, len, grad);
+    let vecs = len / v;
+    let chunk = vecs.div_ceil(slots).max(1);
+    unsafe {
+        sum_squares_kernel::launch_unchecked::<R>(
+            client,
+            launch::cube_count(client, slots)?,
+            CubeDim::new_1d(NORM_UNITS),
+            v,
+            TensorArg::from_raw_parts(grad.clone(), [1].into(), [len].into()),
+            TensorArg::from_raw_parts(partials.clone(), [1].into(), [offset + slots].into()),
+            vecs,
+            chunk,
+            offset,
+            cfg,
+            dtype.storage(),
+        )
+    }
+    Ok(())
+}
+
+#[cube(launch_unchecked)]
+fn clip_scale_kernel(
+    partials: &Tensor<f32>,
+    out: &mut Tensor<f32>,
+    count: usize,
+    max_norm: f32,
+    #[comptime] clip: bool,
+    #[comptime] cfg: NormConfig,
+) {
+    let units = comptime![NORM_UNITS as usize];
+    let mut acc = 0.0f32;
+    for k in 0..count.div_ceil(units) {
+        let i = k * units + UNIT_POS as usize;
+        if i < count {
+            acc += partials[i];
+        }
+    }
+    let mut scratch = SharedMemory::<f32>::new(cfg.slots as usize);
+    let total = row_sum(acc, &mut scratch, NORM_UNITS, cfg.slots, cfg.reduce);
+    if UNIT_POS == 0 {
+        let norm = total.sqrt();
+        let mut scale = 1.0f32;
+        if comptime![clip] {
+            let guard = comptime![NORM_GUARD].runtime();
+            scale = f32::min(1.0, max_norm / (norm + guard));
+        }
+        out[0] = scale;
+        out[1] = norm;
+    }
+}
+
+/// Reduces the first `count` partials into `out = [scale, norm]` (f32): the
+/// global L2 norm of the gradients and the factor that clips it to
+/// `max_norm` (1 without clipping).
+pub fn clip_scale<R: Runtime>(
+    client: &ComputeClient<R>,
+    partials: &Handle,
+    count: usize,
+    max_norm: Option<f64>,
+    out: &Handle,
+) -> Result<(), KernelError> {
+    if let Some(max) = max_norm
+        && !(max.is_finite() && max > 0.0)
+    {
+        return Err(KernelError::Shape(format!(
+            "the clipping bound must be positive, got {max}"
+        )));
+    }
+    check_len("the norm partials", partials, count, FloatDtype::F32)?;
+    check_len("the clip factor", out, 2, FloatDtype::F32)?;
+    let cfg = norm_config(client)?;
+    unsafe {
+        clip_scale_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(NORM_UNITS),
+            TensorArg::from_raw_parts(partials.clone(), [1].into(), [count.max(1)].into()),
+            TensorArg::from_raw_parts(out.clone(), [1].into(), [2].into()),
+            count,
+            max_norm.unwrap_or(1.0) as f32,
+            max_norm.is_some(),
+            cfg,
+        )
+    }
+    Ok(())
+}
