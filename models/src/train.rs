@@ -3,9 +3,9 @@
 //! backward, gradient accumulation over micro-batches, gradient clipping by
 //! global norm and AdamW with a warmup + cosine learning-rate schedule.
 //!
-//! The optimizer is Bastile's fused AdamW ([`bastile::optim::AdamW`], the
-//! clip folded in) unless [`TrainConfig::optimizer`] picks Burn's AdamW
-//! with a separate global-norm clip, for comparison.
+//! The optimizer is Burn's AdamW after a global-norm clip, or with
+//! [`OptimizerKind::Fused`] Bastile's fused AdamW
+//! ([`bastile::optim::AdamW`], the clip folded in).
 
 use bastile::optim::{AdamW as FusedAdamW, AdamWConfig as FusedAdamWConfig, MomentDtype};
 use bastile::{BastileBackend, CrossEntropyOptions, Reduction};
@@ -44,10 +44,10 @@ pub struct TrainConfig {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum OptimizerKind {
     /// Bastile's fused AdamW: one kernel per parameter, the clip folded in.
-    #[default]
     Fused,
     /// Burn's AdamW (about fourteen element-wise ops per parameter) after a
     /// separate global-norm clip.
+    #[default]
     Burn,
 }
 
@@ -62,7 +62,7 @@ impl Default for TrainConfig {
             adam_beta2: 0.999,
             adam_epsilon: 1e-8,
             max_grad_norm: Some(1.0),
-            optimizer: OptimizerKind::Fused,
+            optimizer: OptimizerKind::Burn,
             master_weights: false,
         }
     }
