@@ -28,7 +28,7 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 use crate::elementwise::{Tile, TileLaunch, tile_item};
-use crate::reduce::{RowReduce, lane_sum, row_sum, row_sum_scratch};
+use crate::reduce::{CubeRowSum, cube_row_sum, lane_sum, row_sum};
 use crate::{FloatDtype, KernelError, launch};
 
 /// Units per cube of the norm reductions.
@@ -338,28 +338,6 @@ pub fn update<R: Runtime>(
     Ok(())
 }
 
-/// How the units of a norm cube combine their sums on this device.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-struct NormConfig {
-    reduce: RowReduce,
-    slots: u32,
-}
-
-fn norm_config<R: Runtime>(client: &ComputeClient<R>) -> Result<NormConfig, KernelError> {
-    let planes = launch::plane_sizes(client);
-    let reduce = if planes.ops && NORM_UNITS.is_multiple_of(planes.max) {
-        RowReduce::Plane
-    } else {
-        RowReduce::Shared
-    };
-    let slots = row_sum_scratch(reduce, NORM_UNITS, 1, planes.min);
-    launch::check_cube_fits(client, NORM_UNITS, slots * 4)?;
-    Ok(NormConfig {
-        reduce,
-        slots: slots as u32,
-    })
-}
-
 /// The partial sums a gradient of `len` elements writes: one per cube of
 /// its [`sum_squares`] launch. Offsets into a shared partials buffer are
 /// the running sum of these over the step's gradients.
@@ -377,7 +355,7 @@ fn sum_squares_kernel<G: Float, N: Size>(
     vecs: usize,
     chunk: usize,
     offset: usize,
-    #[comptime] cfg: NormConfig,
+    #[comptime] cfg: CubeRowSum,
     #[define(G)] _dtype: StorageType,
 ) {
     let units = comptime![NORM_UNITS as usize];
@@ -421,7 +399,7 @@ pub fn sum_squares<R: Runtime>(
         offset + slots,
         FloatDtype::F32,
     )?;
-    let cfg = norm_config(client)?;
+    let cfg = cube_row_sum(client, NORM_UNITS)?;
     let v = aligned_vector_size(client, dtype, len, grad);
     let vecs = len / v;
     let chunk = vecs.div_ceil(slots).max(1);
@@ -450,7 +428,7 @@ fn clip_scale_kernel(
     count: usize,
     max_norm: f32,
     #[comptime] clip: bool,
-    #[comptime] cfg: NormConfig,
+    #[comptime] cfg: CubeRowSum,
 ) {
     let units = comptime![NORM_UNITS as usize];
     let mut acc = 0.0f32;
@@ -493,7 +471,7 @@ pub fn clip_scale<R: Runtime>(
     }
     check_len("the norm partials", partials, count, FloatDtype::F32)?;
     check_len("the clip factor", out, 2, FloatDtype::F32)?;
-    let cfg = norm_config(client)?;
+    let cfg = cube_row_sum(client, NORM_UNITS)?;
     unsafe {
         clip_scale_kernel::launch_unchecked::<R>(
             client,
@@ -508,4 +486,39 @@ pub fn clip_scale<R: Runtime>(
         )
     }
     Ok(())
+}
+
+/// One gradient of a step: `len` contiguous elements of `dtype`.
+#[derive(Clone, Copy, Debug)]
+pub struct GradView<'a> {
+    pub handle: &'a Handle,
+    pub len: usize,
+    pub dtype: FloatDtype,
+}
+
+/// The f32 partials [`global_norm`] needs for gradients of these lengths.
+pub fn partials_len<R: Runtime>(
+    client: &ComputeClient<R>,
+    lens: impl Iterator<Item = usize>,
+) -> usize {
+    lens.map(|len| norm_slots(client, len)).sum()
+}
+
+/// Writes `out = [scale, norm]` (f32) over every gradient of the step: each
+/// gradient's partial sums into its own span of `partials` (at least
+/// [`partials_len`] f32), then one cube over all of them (see
+/// [`clip_scale`]).
+pub fn global_norm<R: Runtime>(
+    client: &ComputeClient<R>,
+    grads: &[GradView],
+    partials: &Handle,
+    max_norm: Option<f64>,
+    out: &Handle,
+) -> Result<(), KernelError> {
+    let mut offset = 0;
+    for g in grads {
+        sum_squares(client, g.handle, g.len, g.dtype, partials, offset)?;
+        offset += norm_slots(client, g.len);
+    }
+    clip_scale(client, partials, offset, max_norm, out)
 }

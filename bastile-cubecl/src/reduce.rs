@@ -30,6 +30,35 @@ pub fn row_sum_scratch(
     (per_row * rows_per_cube) as usize
 }
 
+/// How the units of a cube that holds one row combine their sums on a
+/// client, with the scratch words [`row_sum`] needs for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CubeRowSum {
+    pub reduce: RowReduce,
+    pub slots: u32,
+}
+
+/// The reduction for one row of `units` units per cube: plane shuffles
+/// where the runtime has them and `units` is a multiple of the plane size,
+/// else a shared-memory tree; an error when the cube does not fit.
+pub fn cube_row_sum<R: Runtime>(
+    client: &ComputeClient<R>,
+    units: u32,
+) -> Result<CubeRowSum, KernelError> {
+    let planes = launch::plane_sizes(client);
+    let reduce = if planes.ops && units.is_multiple_of(planes.max) {
+        RowReduce::Plane
+    } else {
+        RowReduce::Shared
+    };
+    let slots = row_sum_scratch(reduce, units, 1, planes.min);
+    launch::check_cube_fits(client, units, slots * 4)?;
+    Ok(CubeRowSum {
+        reduce,
+        slots: slots as u32,
+    })
+}
+
 /// Sums `value` over the `units_per_row` units along X that share the row
 /// slot `UNIT_POS_Y`. Every unit of the cube must call it: it synchronizes
 /// the cube. `scratch` holds [`row_sum_scratch`] words.

@@ -6,7 +6,7 @@
 //! non-finite gradients leave every buffer as it was; bad problems are
 //! errors.
 
-use bastile_cubecl::adamw::{self, AdamWBuffers, AdamWProblem, AdamWStep};
+use bastile_cubecl::adamw::{self, AdamWBuffers, AdamWProblem, AdamWStep, GradView};
 use bastile_cubecl::reference::adamw::{ParamState, clip_scale, global_norm};
 use bastile_cubecl::testing::*;
 use bastile_cubecl::{FloatDtype, KernelError};
@@ -70,26 +70,22 @@ struct Param {
     reference: ParamState,
 }
 
-/// Writes the partial sums of every gradient into a NaN-poisoned buffer
-/// and reduces them to `[scale, norm]`.
+/// `[scale, norm]` of every gradient, the partials in a NaN-poisoned
+/// buffer so an unwritten one shows.
 fn global_scale<R: Runtime>(
     client: &ComputeClient<R>,
     grads: &[(&Handle, usize)],
     dtype: FloatDtype,
     max_norm: Option<f64>,
 ) -> Handle {
-    let total: usize = grads
+    let views: Vec<GradView> = grads
         .iter()
-        .map(|(_, len)| adamw::norm_slots(client, *len))
-        .sum();
+        .map(|&(handle, len)| GradView { handle, len, dtype })
+        .collect();
+    let total = adamw::partials_len(client, views.iter().map(|v| v.len));
     let partials = poisoned(client, FloatDtype::F32, total);
-    let mut offset = 0;
-    for (grad, len) in grads {
-        adamw::sum_squares(client, grad, *len, dtype, &partials, offset).unwrap();
-        offset += adamw::norm_slots(client, *len);
-    }
     let out = poisoned(client, FloatDtype::F32, 2);
-    adamw::clip_scale(client, &partials, total, max_norm, &out).unwrap();
+    adamw::global_norm(client, &views, &partials, max_norm, &out).unwrap();
     out
 }
 

@@ -8,6 +8,7 @@
 
 use bastile::BastileBackend;
 use bastile::optim::AdamWConfig;
+use bastile_models::clip::clip_grad_norm;
 use burn::backend::Autodiff;
 use burn::module::{Module, Param};
 use burn::optim::{AdamWConfig as BurnAdamWConfig, GradientsParams, Optimizer};
@@ -46,26 +47,6 @@ fn shapes(tiny: bool) -> Vec<[usize; 2]> {
         ]);
     }
     out
-}
-
-/// The global-norm clip of `grads`, as HF Trainer's `clip_grad_norm_`
-/// before `torch.optim.AdamW`: Burn ops on the inner backend.
-fn clipped<B: Backend>(grads: &[Tensor<B, 2>], max_norm: f64) -> Vec<Tensor<B, 2>> {
-    let total = grads
-        .iter()
-        .map(|g| g.clone().cast(DType::F32).square().sum())
-        .reduce(|a, b| a + b)
-        .expect("gradients");
-    let scale = total
-        .sqrt()
-        .add_scalar(1e-6)
-        .recip()
-        .mul_scalar(max_norm)
-        .clamp_max(1.0);
-    grads
-        .iter()
-        .map(|g| g.clone() * scale.clone().cast(g.dtype()).unsqueeze())
-        .collect()
 }
 
 pub fn bench<B>(device: &B::Device, args: &Args, report: &mut Report)
@@ -137,7 +118,7 @@ where
         iters,
         |_| {
             let w = model.take().expect("the model");
-            let g = gradients(&w, &clipped(&grads, 1.0));
+            let g = clip_grad_norm(&w, gradients(&w, &grads), 1.0);
             model = Some(burns.step(1e-5, w, g));
         },
         sync,

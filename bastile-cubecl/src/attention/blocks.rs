@@ -21,7 +21,7 @@ use cubecl::server::Handle;
 
 use super::tile::{AttnTile, MASKED, MASKED_BELOW, allowed, key_count};
 use super::{AttentionProblem, flat_arg};
-use crate::reduce::{RowReduce, row_max, row_sum, row_sum_scratch};
+use crate::reduce::{RowReduce, cube_row_sum, row_max, row_sum};
 use crate::{KernelError, launch};
 
 /// One block of query rows and the key range they see.
@@ -265,20 +265,13 @@ fn block_grad_kernel<F: Float>(
 /// where the device allows fewer), combined by plane shuffles where the
 /// runtime has them.
 fn layout<R: Runtime>(client: &ComputeClient<R>) -> Result<BlockRows, KernelError> {
-    let planes = launch::plane_sizes(client);
     let max_units = client.properties().hardware.max_units_per_cube.max(1);
     let units = 256u32.min(1 << (31 - max_units.leading_zeros()));
-    let reduce = if planes.ops && units.is_multiple_of(planes.max) {
-        RowReduce::Plane
-    } else {
-        RowReduce::Shared
-    };
-    let slots = row_sum_scratch(reduce, units, 1, planes.min);
-    launch::check_cube_fits(client, units, slots * 4)?;
+    let sum = cube_row_sum(client, units)?;
     Ok(BlockRows {
         units,
-        slots: slots as u32,
-        reduce,
+        slots: sum.slots,
+        reduce: sum.reduce,
     })
 }
 

@@ -7,7 +7,7 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 
 use bastile_cubecl::FloatDtype;
-use bastile_cubecl::adamw::{self, AdamWBuffers, AdamWProblem, AdamWStep};
+use bastile_cubecl::adamw::{self, AdamWBuffers, AdamWProblem, AdamWStep, GradView};
 
 use super::empty_like;
 use crate::kernels::kernel_dtype;
@@ -30,27 +30,26 @@ pub(super) fn clip<R: CubeRuntime>(
     max_norm: Option<f64>,
 ) -> CubeTensor<R> {
     let grads: Vec<CubeTensor<R>> = grads.into_iter().map(into_contiguous).collect();
+    let views: Vec<GradView> = grads
+        .iter()
+        .map(|g| GradView {
+            handle: &g.handle,
+            len: g.shape().num_elements(),
+            dtype: dtype_of(g),
+        })
+        .collect();
     let first = &grads[0];
-    let client = &first.client;
-    let lens: Vec<usize> = grads.iter().map(|g| g.shape().num_elements()).collect();
-    let total: usize = lens.iter().map(|&n| adamw::norm_slots(client, n)).sum();
+    let total = adamw::partials_len(&first.client, views.iter().map(|v| v.len));
     let partials = empty_like(first, Shape::new([total]), DType::F32);
-    let mut offset = 0;
-    for (g, &len) in grads.iter().zip(&lens) {
-        adamw::sum_squares(
-            client,
-            &g.handle,
-            len,
-            dtype_of(g),
-            &partials.handle,
-            offset,
-        )
-        .unwrap_or_else(|e| panic!("gradient norm launch after a positive support check: {e}"));
-        offset += adamw::norm_slots(client, len);
-    }
     let out = empty_like(first, Shape::new([2]), DType::F32);
-    adamw::clip_scale(client, &partials.handle, total, max_norm, &out.handle)
-        .unwrap_or_else(|e| panic!("gradient clip launch after a positive support check: {e}"));
+    adamw::global_norm(
+        &first.client,
+        &views,
+        &partials.handle,
+        max_norm,
+        &out.handle,
+    )
+    .unwrap_or_else(|e| panic!("gradient norm launch after a positive support check: {e}"));
     out
 }
 
