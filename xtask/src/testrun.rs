@@ -102,6 +102,9 @@ fn selection(args: &TestArgs) -> Vec<String> {
     out
 }
 
+/// The label of a library's unit tests.
+const LIB_LABEL: &str = "lib (unit tests)";
+
 fn target_label(target: &serde_json::Value) -> String {
     let kind = target["kind"][0].as_str().unwrap_or("?");
     let src = target["src_path"].as_str().unwrap_or("");
@@ -110,7 +113,7 @@ fn target_label(target: &serde_json::Value) -> String {
             || format!("test {}", target["name"]),
             |(_, f)| format!("tests/{f}"),
         ),
-        "lib" => "lib (unit tests)".into(),
+        "lib" => LIB_LABEL.into(),
         other => format!(
             "{other} {} (unit tests)",
             target["name"].as_str().unwrap_or("?")
@@ -283,20 +286,23 @@ pub fn test(args: &TestArgs) -> Result<(), String> {
         let out = run_counting(&mut cmd)?;
         rows.push((label, out, t.elapsed().as_secs_f64()));
     }
-    // Doc tests are compiled when they run; filters apply to them too.
-    let t = Instant::now();
-    let mut doc = cargo();
-    doc.args(["test", "--doc"]).args(selection(args));
-    if !args.test_args.is_empty() {
-        doc.arg("--").args(&args.test_args);
+    // Doc tests are compiled when they run; filters apply to them too. Only
+    // libraries have them (cargo refuses `--doc` for a binary-only package).
+    if binaries.iter().any(|b| b.target == LIB_LABEL) {
+        let t = Instant::now();
+        let mut doc = cargo();
+        doc.args(["test", "--doc"]).args(selection(args));
+        if !args.test_args.is_empty() {
+            doc.arg("--").args(&args.test_args);
+        }
+        eprintln!("xtask: running {doc:?}");
+        let out = run_counting(&mut doc)?;
+        rows.push((
+            "doc tests (compiled and run)".into(),
+            out,
+            t.elapsed().as_secs_f64(),
+        ));
     }
-    eprintln!("xtask: running {doc:?}");
-    let out = run_counting(&mut doc)?;
-    rows.push((
-        "doc tests (compiled and run)".into(),
-        out,
-        t.elapsed().as_secs_f64(),
-    ));
 
     eprintln!("\nxtask: time per step (build: cargo --timings; run: wall clock)");
     if let Some(times) = build_times(&target_dir()) {
