@@ -59,7 +59,9 @@ pub use ops::BastileBackend;
 pub use ops::attention::{
     AttentionKernels, AttentionOptions, attention, attention_kernels, set_attention_kernels,
 };
-pub use ops::cross_entropy::{CrossEntropyOptions, CrossEntropyOutput, Reduction, cross_entropy};
+pub use ops::cross_entropy::{
+    CrossEntropyOptions, CrossEntropyOutput, LabelCheck, Reduction, cross_entropy,
+};
 pub use ops::geglu::geglu_oss;
 pub use ops::linear_cross_entropy::{LinearGrads, fused_linear_cross_entropy};
 pub use ops::rms_norm::rms_norm;

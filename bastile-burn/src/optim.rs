@@ -42,7 +42,7 @@ use burn::optim::{GradientsParams, LearningRate, MultiGradientsParams, Optimizer
 use burn::record::Record;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{Bool, DType, Tensor};
 // Burn implements `Record` for hashbrown's map.
 use hashbrown::HashMap;
 
@@ -210,11 +210,34 @@ where
         self.last_norm.clone().map(|t| t.slice(1..2))
     }
 
+    /// [`Optimizer::step`] that changes nothing when `skip` (one element,
+    /// on the device) is true, without waiting for it: a training step
+    /// passes the flags it computes on the device (a label out of range, a
+    /// non-finite loss) and reads them with the loss at its end. The step
+    /// still counts until [`AdamW::forget_skipped_step`].
+    pub fn step_unless<M: AutodiffModule<B>>(
+        &mut self,
+        lr: LearningRate,
+        module: M,
+        mut grads: GradientsParams,
+        skip: Tensor<B::InnerBackend, 1, Bool>,
+    ) -> M {
+        self.step_with(lr, module, &mut grads, Some(skip))
+    }
+
+    /// Takes back the count of the last step once the caller has read that
+    /// it was skipped (its norm not finite, or its `skip` flag set), so the
+    /// bias correction of the next steps counts only the steps applied.
+    pub fn forget_skipped_step(&mut self) {
+        self.step = self.step.saturating_sub(1);
+    }
+
     fn step_with<M: AutodiffModule<B>>(
         &mut self,
         lr: LearningRate,
         module: M,
         grads: &mut GradientsParams,
+        skip: Option<Tensor<B::InnerBackend, 1, Bool>>,
     ) -> M {
         let mut found = CollectGrads::<B> {
             grads,
@@ -231,7 +254,15 @@ where
             .iter()
             .map(|id| found[id].clone().into_primitive().tensor())
             .collect();
-        let clip = B::InnerBackend::adamw_clip(all, self.config.max_grad_norm);
+        let mut clip = B::InnerBackend::adamw_clip(all, self.config.max_grad_norm);
+        if let Some(skip) = skip {
+            // A non-finite norm is what makes the update keep every value.
+            let guarded: Tensor<B::InnerBackend, 1> = float(clip);
+            clip = guarded
+                .mask_fill(skip.expand([2]), f32::NAN)
+                .into_primitive()
+                .tensor();
+        }
         self.last_norm = Some(float(clip.clone()));
         let hyper = self.config.hyper(lr, self.step);
         module.map(&mut Update::<B> {
@@ -385,7 +416,7 @@ where
     type Record = AdamWRecord<B>;
 
     fn step(&mut self, lr: LearningRate, module: M, mut grads: GradientsParams) -> M {
-        self.step_with(lr, module, &mut grads)
+        self.step_with(lr, module, &mut grads, None)
     }
 
     fn step_multi(&mut self, lr: LearningRate, module: M, mut grads: MultiGradientsParams) -> M {
@@ -395,7 +426,7 @@ where
         };
         module.visit(&mut gather);
         let mut single = gather.into;
-        self.step_with(lr, module, &mut single)
+        self.step_with(lr, module, &mut single, None)
     }
 
     fn to_record(&self) -> Self::Record {

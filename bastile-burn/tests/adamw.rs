@@ -17,7 +17,7 @@ use burn::module::{Module, Param};
 use burn::optim::{AdamWConfig as BurnAdamWConfig, GradientsParams, Optimizer};
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{Bool, DType, Tensor};
 
 use crate::common::*;
 
@@ -290,6 +290,44 @@ where
     }
 }
 
+/// A set `skip` flag changes nothing (and the step, once forgotten, does
+/// not count); a clear one is an ordinary step.
+fn skips_on_flag<B: AutodiffBackend>(name: &str, dtype: DType, device: &B::Device, rng: &mut Rng)
+where
+    B::InnerBackend: BastileBackend,
+{
+    let data = data(rng, 2, dtype);
+    let cfg = config(Some(1.0), 0.1);
+    let mut plain = cfg.init::<B>().unwrap();
+    let expected = read(&train(
+        &mut plain,
+        weights::<B>(&data.init, dtype, device),
+        &data,
+        0..2,
+        LR,
+        dtype,
+        device,
+    ));
+    let mut flagged = cfg.init::<B>().unwrap();
+    let w = weights::<B>(&data.init, dtype, device);
+    let w = train(&mut flagged, w, &data, 0..1, LR, dtype, device);
+    let before = read(&w);
+    let flag = |set: bool| Tensor::<B::InnerBackend, 1, Bool>::from_data([set], device);
+    let g = grads(&w, &data.grads[1], dtype, device);
+    let w = flagged.step_unless(LR, w, g, flag(true));
+    assert_eq!(
+        read(&w),
+        before,
+        "{name} {dtype:?}: a flagged step moved the weights"
+    );
+    assert!(!values(flagged.last_norm().unwrap())[0].is_finite());
+    flagged.forget_skipped_step();
+    assert_eq!(flagged.steps(), 1, "{name}");
+    let g = grads(&w, &data.grads[1], dtype, device);
+    let w = flagged.step_unless(LR, w, g, flag(false));
+    assert_eq!(read(&w), expected, "{name} {dtype:?}: after a skipped step");
+}
+
 struct Steps;
 
 impl BackendTest for Steps {
@@ -309,6 +347,7 @@ impl BackendTest for Steps {
         for &dtype in dtypes {
             resumes::<Autodiff<Bastile<B>>>(&fused, dtype, device, &mut rng);
             skips_non_finite::<Autodiff<Bastile<B>>>(&fused, dtype, device, &mut rng);
+            skips_on_flag::<Autodiff<Bastile<B>>>(&fused, dtype, device, &mut rng);
         }
     }
 }
@@ -326,6 +365,7 @@ fn adamw_on_the_cpu_follows_the_reference() {
     f32_steps::<Autodiff<NdArray>>("ndarray", &device, &mut rng);
     resumes::<Autodiff<NdArray>>("ndarray", DType::F32, &device, &mut rng);
     skips_non_finite::<Autodiff<NdArray>>("ndarray", DType::F32, &device, &mut rng);
+    skips_on_flag::<Autodiff<NdArray>>("ndarray", DType::F32, &device, &mut rng);
 }
 
 #[test]

@@ -1,17 +1,20 @@
-"""Training steps of a model preset through HF transformers and HF +
-Liger-Kernel as their users run them (the attention HF picks by default for
-the model, SDPA for Qwen3 and Llama; `AdamW(fused=True)`; gradient clipping
-at 1.0 as HF Trainer does), on the same configuration as
-`bastile-bench --model <preset>`: random weights in bf16, one micro-batch of
-random tokens per step, labels = ids. `--attn eager` forces HF's eager
-attention instead, as earlier results used.
+"""Training steps of a model preset through HF transformers, HF +
+Liger-Kernel and HF under torch.compile as their users run them (the
+attention HF picks by default for the model, SDPA for Qwen3 and Llama;
+`AdamW(fused=True)`; gradient clipping at 1.0 as HF Trainer does), on the
+same configuration as `bastile-bench --model <preset>`: random weights in
+bf16, one micro-batch of random tokens per step, labels = ids. `--attn
+eager` forces HF's eager attention instead, as earlier results used.
 
-Each (implementation, batch, seq) runs in a fresh subprocess so its peak
-memory starts from nothing; an out-of-memory failure is recorded as such.
-Prints one JSON object per configuration.
+Each row reports the median step time, the first step's time (compilation
+included), the peak bytes in use during the timed steps
+(`max_memory_allocated`) and the pool's peak reservation. Each
+(implementation, batch, seq) runs in a fresh subprocess so its peak memory
+starts from nothing; an out-of-memory failure is recorded as such. Prints
+one JSON object per configuration.
 
 Usage: python3 train_torch.py --model qwen3-0.6b --seq 4096 --batch 1 \
-           [--impl hf liger] [--steps 5] [--out results.jsonl]
+           [--impl hf liger compile] [--steps 5] [--out results.jsonl]
 """
 
 import argparse
@@ -71,9 +74,9 @@ LIGER = {"qwen3": "apply_liger_kernel_to_qwen3", "llama": "apply_liger_kernel_to
 def name(impl, attn):
     """The row's implementation, naming HF's attention where it was forced
     (every row records the attention that ran under "attention")."""
-    if impl == "liger":
-        return "HF + Liger-Kernel"
-    return "HF transformers" + (f" ({attn})" if attn else "")
+    base = {"hf": "HF transformers", "liger": "HF + Liger-Kernel",
+            "compile": "HF + torch.compile"}[impl]
+    return base + (f" ({attn})" if attn else "")
 
 
 def one(model_name, impl, batch, seq, steps, attn):
@@ -94,18 +97,28 @@ def one(model_name, impl, batch, seq, steps, attn):
     ).cuda()
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    # torch.compile as a user applies it: the model's forward compiled
+    # (the backward through AOTAutograd), the optimizer step as it is.
+    forward = torch.compile(model) if impl == "compile" else model
     ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda")
     times = []
+    first_step_s = None
     for i in range(2 + steps):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = forward(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss_value = loss.item()
         torch.cuda.synchronize()
+        if i == 0:
+            first_step_s = time.perf_counter() - t
+        if i == 1:
+            # The peaks of the timed steps only (the first step's
+            # compilation buffers excluded).
+            torch.cuda.reset_peak_memory_stats()
         if i >= 2:
             times.append(time.perf_counter() - t)
         print(f"step {i}: loss {loss_value:.4f}", file=sys.stderr)
@@ -120,6 +133,9 @@ def one(model_name, impl, batch, seq, steps, attn):
         "ms_per_step": ms,
         "tokens_per_s": batch * seq / (ms / 1e3),
         "peak_mib": torch.cuda.max_memory_reserved() / 2**20,
+        "in_use_mib": torch.cuda.max_memory_allocated() / 2**20,
+        "first_step_s": first_step_s,
+        "host_ms": None,
         "error": None,
         "device": torch.cuda.get_device_name(),
     }
@@ -130,7 +146,8 @@ def main():
     p.add_argument("--model", default="qwen3-0.6b", choices=sorted(PRESETS))
     p.add_argument("--seq", type=int, nargs="+", default=[4096])
     p.add_argument("--batch", type=int, nargs="+", default=[1])
-    p.add_argument("--impl", nargs="+", default=["hf", "liger"], choices=["hf", "liger"])
+    p.add_argument("--impl", nargs="+", default=["hf", "liger", "compile"],
+                   choices=["hf", "liger", "compile"])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--attn", choices=["eager", "sdpa"],
                    help="force this attention (default: HF's default for the model)")
@@ -160,7 +177,7 @@ def main():
                     last = (r.stderr.strip().splitlines() or ["no output"])[-1]
                     row = {"model": a.model, "batch": batch, "seq": seq, "dtype": "bf16",
                            "implementation": name(impl, a.attn), "ms_per_step": None,
-                           "tokens_per_s": None, "peak_mib": None,
+                           "tokens_per_s": None, "peak_mib": None, "in_use_mib": None,
                            "error": "out of memory" if oom else last}
                     failed.add(impl)
                 print(json.dumps(row), flush=True)

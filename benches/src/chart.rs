@@ -404,6 +404,9 @@ mod tests {
             ms_per_step: ms,
             tokens_per_s: ms.map(|ms| seq as f64 / ms * 1e3),
             peak_mib: ms.map(|_| seq as f64),
+            in_use_mib: None,
+            first_step_s: None,
+            host_ms: None,
             error: error.map(String::from),
         }
     }

@@ -82,7 +82,7 @@ pub fn dtype_name(dtype: DType) -> &'static str {
 #[derive(Parser, Debug)]
 #[command(
     about = "Benchmarks Bastile's fused kernels against Burn's composite ops, and training steps against Burn (and PyTorch)",
-    long_about = "Benchmarks Bastile's fused kernels against Burn's composite ops, and training steps against Burn (and, with --compare-pytorch, HF transformers and HF + Liger-Kernel).\n\nWithout --op or --model it runs the default suite: every kernel, then training of the default models over sequence lengths 1024, 2048, ... until every implementation is out of memory, at batch 1 and 4. With --tiny (the software Vulkan device) the suite uses small shapes and the tiny model preset."
+    long_about = "Benchmarks Bastile's fused kernels against Burn's composite ops, and training steps against Burn (and, with --compare-pytorch, HF transformers, HF + Liger-Kernel and HF under torch.compile).\n\nWithout --op or --model it runs the default suite: every kernel, then training of the default models over sequence lengths 1024, 2048, ... until every implementation is out of memory, at batch 1 and 4. With --tiny (the software Vulkan device) the suite uses small shapes and the tiny model preset."
 )]
 pub struct Args {
     /// Which op to benchmark (all when neither this nor `--model` is
@@ -151,7 +151,8 @@ pub struct Args {
     pub attention: AttentionArg,
     /// Also run the same configurations through PyTorch on this GPU (the
     /// scripts in `benches/python`: HF transformers with its default
-    /// attention and HF + Liger-Kernel for training, SDPA for attention,
+    /// attention, HF + Liger-Kernel and HF under torch.compile for
+    /// training, SDPA for attention,
     /// cuBLAS for matmul, torch and Liger for the loss); their rows join
     /// the table and charts.
     #[arg(long)]

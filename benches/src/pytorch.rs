@@ -14,6 +14,11 @@ use serde::de::DeserializeOwned;
 use crate::report::Report;
 use crate::{Args, progress};
 
+/// The implementations `train_torch.py` reports, as its rows name them.
+pub const HF: &str = "HF transformers";
+pub const LIGER: &str = "HF + Liger-Kernel";
+pub const COMPILE: &str = "HF + torch.compile";
+
 /// Where the scripts are: `BASTILE_PYTHON_SCRIPTS`, else this crate's
 /// `python/` folder.
 fn scripts_dir() -> PathBuf {

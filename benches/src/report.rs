@@ -221,39 +221,30 @@ impl Report {
         s
     }
 
-    /// End-to-end training steps, by model, batch and length, each against
-    /// Burn's and HF + Liger-Kernel's at the same shape.
+    /// The training table: per row the step time, tokens/s against the
+    /// other implementations at the same shape, the first step's time,
+    /// memory in use and reserved, and the host's share of a step.
     fn train_markdown(&self) -> String {
         let mut s = String::from(
-            "\nTraining step (random weights, AdamW, one micro-batch; memory: reserved after the timed steps; × burn and × Liger: tokens/s against Burn's and HF + Liger-Kernel's at the same shape):\n\n",
+            "\nTraining step (random weights, AdamW, one micro-batch; median of the timed steps; × HF, × Liger, × compile, × burn: tokens/s against HF transformers (its default attention), HF + Liger-Kernel, HF under torch.compile and Burn at the same shape; in use: peak bytes in use during a step (PyTorch's max_memory_allocated; CubeCL's bytes in use, sampled); reserved: the allocator's pool; first step: wall time of step 0, compilation and tuning included; host: time to queue a step):\n\n",
         );
-        s += "| model | batch | seq | dtype | implementation | ms/step | tokens/s | × burn | × Liger | peak MiB | memory vs burn |\n";
-        s += "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|\n";
+        s += "| model | batch | seq | dtype | implementation | ms/step | tokens/s | × HF | × Liger | × compile | × burn | in use MiB | reserved MiB | first step s | host ms |\n";
+        s += "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
         let mut rows: Vec<&crate::train::TrainRow> = self.train.iter().collect();
         rows.sort_by(|a, b| (&a.model, a.batch, a.seq).cmp(&(&b.model, b.batch, b.seq)));
         for r in rows {
-            let same = |name: &str| {
-                self.train.iter().find(|o| {
+            let vs = |name: &str| {
+                let other = self.train.iter().find(|o| {
                     o.model == r.model
                         && o.batch == r.batch
                         && o.seq == r.seq
                         && o.dtype == r.dtype
                         && o.implementation == name
-                })
-            };
-            let ratio = |ours: Option<f64>, theirs: Option<f64>| match (ours, theirs) {
-                (Some(a), Some(b)) => format!("{:.2}×", b / a),
-                _ => String::new(),
-            };
-            let burn = same("burn");
-            let speedup = ratio(r.ms_per_step, burn.and_then(|b| b.ms_per_step));
-            let vs_liger = ratio(
-                r.ms_per_step,
-                same("HF + Liger-Kernel").and_then(|b| b.ms_per_step),
-            );
-            let memory = match (r.peak_mib, burn.and_then(|b| b.peak_mib)) {
-                (Some(a), Some(b)) => format!("{:.2}", a / b),
-                _ => String::new(),
+                });
+                match (r.ms_per_step, other.and_then(|o| o.ms_per_step)) {
+                    (Some(a), Some(b)) if r.implementation != name => format!("{:.2}×", b / a),
+                    _ => String::new(),
+                }
             };
             // A failed run says why in its first number's cell.
             let failure = r.error.as_deref().map(crate::train::failure_label);
@@ -264,14 +255,21 @@ impl Report {
                 .ms_per_step
                 .map_or_else(|| failure.unwrap_or_default().into(), |v| format!("{v:.1}"));
             s += &format!(
-                "| {} | {} | {} | {} | {} | {ms} | {} | {speedup} | {vs_liger} | {} | {memory} |\n",
+                "| {} | {} | {} | {} | {} | {ms} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
                 r.model,
                 r.batch,
                 r.seq,
                 r.dtype,
                 r.implementation,
                 num(r.tokens_per_s, 0),
+                vs(crate::pytorch::HF),
+                vs(crate::pytorch::LIGER),
+                vs(crate::pytorch::COMPILE),
+                vs("burn"),
+                num(r.in_use_mib, 0),
                 num(r.peak_mib, 0),
+                num(r.first_step_s, 1),
+                num(r.host_ms, 1),
             );
         }
         s

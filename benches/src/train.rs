@@ -9,6 +9,8 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bastile::{Bastile, BastileBackend, Patches};
@@ -55,11 +57,25 @@ pub struct TrainRow {
     /// Median over the timed steps; `None` when the run failed.
     pub ms_per_step: Option<f64>,
     pub tokens_per_s: Option<f64>,
-    /// Reserved device memory after the timed steps.
+    /// Reserved device memory (the allocator's pool) after the timed steps.
     pub peak_mib: Option<f64>,
+    /// Peak bytes in use during a step: PyTorch's `max_memory_allocated`;
+    /// for Bastile and Burn the largest of CubeCL's bytes in use, sampled
+    /// every 0.2 ms during an extra step after the timed ones.
+    #[serde(default)]
+    pub in_use_mib: Option<f64>,
+    /// Wall time of the first step, compilation and tuning included (with
+    /// whatever caches the machine held).
+    #[serde(default)]
+    pub first_step_s: Option<f64>,
+    /// Median host time to queue a timed step (Bastile and Burn).
+    #[serde(default)]
+    pub host_ms: Option<f64>,
     /// Why the run failed (out of memory, ...).
     pub error: Option<String>,
 }
+
+const MIB: f64 = (1u64 << 20) as f64;
 
 /// The line prefix a child process reports its row with.
 const ROW_TAG: &str = "BASTILE_TRAIN_ROW ";
@@ -165,6 +181,9 @@ fn child(
         ms_per_step: None,
         tokens_per_s: None,
         peak_mib: None,
+        in_use_mib: None,
+        first_step_s: None,
+        host_ms: None,
         error: Some(error),
     };
     let runtime = args
@@ -361,26 +380,59 @@ where
     // Every step ends with its loss read back, i.e. a device sync.
     let warmup = 2;
     let mut times = Vec::new();
+    let mut host = Vec::new();
+    let mut first_step = 0.0;
     for i in 0..warmup + steps.max(1) {
         let t = Instant::now();
-        let (next, out) = trainer.step(lm, &data).map_err(|e| e.to_string())?;
+        let (next, out) = trainer.step(lm, &data);
         lm = next;
+        let out = out.map_err(|e| e.to_string())?;
         let secs = t.elapsed().as_secs_f64();
         eprintln!(
-            "step {i}: loss {:.4}, {:.1} ms{}",
+            "step {i}: loss {:.4}, {:.1} ms (host {:.1} ms){}",
             out.loss,
             secs * 1e3,
+            out.host_seconds * 1e3,
             if i < warmup { " (warm-up)" } else { "" }
         );
+        if i == 0 {
+            first_step = secs;
+        }
         if i >= warmup {
             times.push(secs);
+            host.push(out.host_seconds);
         }
     }
-    times.sort_by(f64::total_cmp);
-    let secs = times[times.len() / 2];
-    let usage = R::client(device)
-        .memory_usage()
-        .map_err(|e| format!("{e:?}"))?;
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let secs = median(times);
+    let client = R::client(device);
+    let usage = client.memory_usage().map_err(|e| format!("{e:?}"))?;
+    // One more step, untimed, while another thread samples the bytes in
+    // use (CubeCL keeps no peak of its own). CubeCL keeps a memory pool
+    // per stream, and a thread's stream is its own: the sampler reads this
+    // thread's.
+    let stop = Arc::new(AtomicBool::new(false));
+    let stream = cubecl::stream_id::StreamId::current();
+    let sampler = {
+        let (stop, client) = (stop.clone(), client.clone());
+        std::thread::spawn(move || {
+            let mut peak = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok(u) = stream.executes(|| client.memory_usage()) {
+                    peak = peak.max(u.bytes_in_use);
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            peak
+        })
+    };
+    let (_, out) = trainer.step(lm, &data);
+    stop.store(true, Ordering::Relaxed);
+    out.map_err(|e| e.to_string())?;
+    let in_use = sampler.join().map_err(|_| "the memory sampler panicked")?;
     eprintln!("done in {:.0} s", started.elapsed().as_secs_f64());
     Ok(TrainRow {
         model: model.into(),
@@ -390,7 +442,10 @@ where
         implementation: imp.name().into(),
         ms_per_step: Some(secs * 1e3),
         tokens_per_s: Some((batch * seq) as f64 / secs),
-        peak_mib: Some(usage.bytes_reserved as f64 / (1u64 << 20) as f64),
+        peak_mib: Some(usage.bytes_reserved as f64 / MIB),
+        in_use_mib: Some(in_use as f64 / MIB),
+        first_step_s: Some(first_step),
+        host_ms: Some(median(host) * 1e3),
         error: None,
     })
 }

@@ -199,8 +199,9 @@ impl Task for Finetune {
                     ),
                 });
             }
-            let (m, out) = trainer.step(model, &micro)?;
+            let (m, out) = trainer.step(model, &micro);
             model = m;
+            let out = out?;
             report.losses.push(out.loss);
             let rate = report.tokens as f64 / start.elapsed().as_secs_f64();
             let status = format!(

@@ -93,8 +93,8 @@ enum Command {
         /// Clip the global gradient norm (0: no clipping).
         #[arg(long, default_value_t = 1.0)]
         max_grad_norm: f32,
-        /// Burn's AdamW, or Bastile's fused AdamW.
-        #[arg(long, value_enum, default_value_t = OptimizerArg::Burn)]
+        /// Bastile's fused AdamW, or Burn's AdamW.
+        #[arg(long, value_enum, default_value_t = OptimizerArg::Fused)]
         optimizer: OptimizerArg,
         /// Keep f32 moments and an f32 master copy of bf16/f16 parameters
         /// (HF Trainer's `bf16=True`); fused AdamW only.

@@ -31,8 +31,9 @@ fn main() -> Result<(), ModelError> {
     })?;
     let mut model = model;
     for i in 0..steps {
-        let (m, out) = trainer.step(model, std::slice::from_ref(&batch))?;
+        let (m, out) = trainer.step(model, std::slice::from_ref(&batch));
         model = m;
+        let out = out?;
         println!(
             "step {i:>2}  loss {:.4}  lr {:.2e}  tokens {}",
             out.loss, out.learning_rate, out.tokens

@@ -25,6 +25,11 @@ pub enum ModelError {
     /// Weights that do not fit the model built from the config.
     #[error("the checkpoint does not match the model: {0}")]
     Weights(String),
+    /// A training step that could not be applied (a label outside the
+    /// vocabulary, a loss or gradient that is not finite); it changed no
+    /// parameter.
+    #[error("training step {step}: {message}")]
+    Step { step: usize, message: String },
     /// A tensor-level mistake reported by Bastile (shape, dtype, device).
     #[error(transparent)]
     Bastile(#[from] bastile::BastileError),

@@ -3,17 +3,18 @@
 //! backward, gradient accumulation over micro-batches, gradient clipping by
 //! global norm and AdamW with a warmup + cosine learning-rate schedule.
 //!
-//! The optimizer is Burn's AdamW after a global-norm clip, or with
-//! [`OptimizerKind::Fused`] Bastile's fused AdamW
-//! ([`bastile::optim::AdamW`], the clip folded in).
+//! The optimizer is Bastile's fused AdamW ([`bastile::optim::AdamW`], the
+//! clip folded in), or with [`OptimizerKind::Burn`] Burn's AdamW after a
+//! global-norm clip.
 
 use bastile::optim::{AdamW as FusedAdamW, AdamWConfig as FusedAdamWConfig, MomentDtype};
-use bastile::{BastileBackend, CrossEntropyOptions, Reduction};
+use bastile::{BastileBackend, CrossEntropyOptions, LabelCheck, Reduction};
 use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{Bool, Int, Tensor};
+use std::time::{Duration, Instant};
 
 use crate::clip::clip_grad_norm;
 use crate::{CausalLm, ModelError};
@@ -44,10 +45,10 @@ pub struct TrainConfig {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum OptimizerKind {
     /// Bastile's fused AdamW: one kernel per parameter, the clip folded in.
+    #[default]
     Fused,
     /// Burn's AdamW (about fourteen element-wise ops per parameter) after a
     /// separate global-norm clip.
-    #[default]
     Burn,
 }
 
@@ -62,7 +63,7 @@ impl Default for TrainConfig {
             adam_beta2: 0.999,
             adam_epsilon: 1e-8,
             max_grad_norm: Some(1.0),
-            optimizer: OptimizerKind::Burn,
+            optimizer: OptimizerKind::Fused,
             master_weights: false,
         }
     }
@@ -130,6 +131,10 @@ pub struct StepOutput {
     /// Tokens that counted (labels not ignored, after the shift).
     pub tokens: usize,
     pub learning_rate: f64,
+    /// Host time spent queuing the step's work, without the wait for its
+    /// results: when it nears the step's wall time, the host bounds the
+    /// step, not the device.
+    pub host_seconds: f64,
 }
 
 /// The optimizer a [`Trainer`] holds.
@@ -184,72 +189,199 @@ where
     /// each micro-batch's loss is normalized by the token count of all of
     /// them, so the step follows the mean over every counted token, as one
     /// large batch would.
+    ///
+    /// The whole step is queued before anything is read back: the token
+    /// count and the label check run on the device, and the loss, the
+    /// gradient norm, the count and the check are read once, at the end.
+    /// A label out of range, or a loss or gradient that is not finite, is
+    /// an error naming the step, and that step changes no parameter: the
+    /// fused AdamW skips it on the device. Burn's AdamW, which cannot, has
+    /// the labels and the loss read before it runs (one wait inside the
+    /// step). The model comes back either way.
     pub fn step(
         &mut self,
         model: CausalLm<B>,
         micro_batches: &[MicroBatch<B>],
-    ) -> Result<(CausalLm<B>, StepOutput), ModelError>
+    ) -> (CausalLm<B>, Result<StepOutput, ModelError>)
     where
         CausalLm<B>: AutodiffModule<B>,
     {
         if micro_batches.is_empty() {
-            return Err(ModelError::Config(
-                "a step needs at least one micro-batch".into(),
-            ));
+            let e = ModelError::Config("a step needs at least one micro-batch".into());
+            return (model, Err(e));
         }
-        let ignore = CrossEntropyOptions::default().ignore_index;
-        // Counted tokens: labels after the shift (position 0 never counts),
-        // read in one transfer for all micro-batches.
-        let counts: Vec<Tensor<B, 1, Int>> = micro_batches
-            .iter()
-            .filter_map(|m| {
-                let [_, s] = m.labels.dims();
-                (s >= 2).then(|| {
-                    let counted = m.labels.clone().narrow(1, 1, s - 1).not_equal_elem(ignore);
-                    counted.int().sum()
-                })
-            })
-            .collect();
-        let tokens: usize = if counts.is_empty() {
-            0
-        } else {
-            let counts = Tensor::cat(counts, 0).into_data().convert::<i64>();
-            counts.iter::<i64>().sum::<i64>() as usize
+        let step = self.step + 1;
+        let started = Instant::now();
+        let queued = match self.queue(&model, micro_batches) {
+            Ok(queued) => queued,
+            Err(e) => return (model, Err(e)),
         };
-        let options = CrossEntropyOptions::default()
-            .with_reduction(Reduction::Mean)
-            .with_normalizer(tokens.max(1) as f64);
-        let mut accumulator = GradientsAccumulator::new();
-        // Each micro-batch's loss, detached, read together after the last.
-        let mut losses = Vec::with_capacity(micro_batches.len());
-        for m in micro_batches {
-            let out = model.loss(m.ids.clone(), m.labels.clone(), options)?;
-            losses.push(out.loss.clone().detach());
-            let grads = GradientsParams::from_grads(out.loss.backward(), &model);
-            accumulator.accumulate(&model, grads);
-        }
-        let losses = Tensor::cat(losses, 0).into_data().convert::<f64>();
-        let loss = losses.iter::<f64>().sum::<f64>();
         let lr = self.config.lr_at(self.step);
-        let grads = accumulator.grads();
-        let model = match &mut self.optimizer {
-            TrainOptimizer::Fused(adamw) => adamw.step(lr, model, grads),
+        let host: Duration;
+        let (model, verdict) = match &mut self.optimizer {
+            TrainOptimizer::Fused(adamw) => {
+                let model = adamw.step_unless(lr, model, queued.grads, queued.skip.inner());
+                let norm = adamw.last_norm().map(Tensor::from_inner);
+                host = started.elapsed();
+                let verdict = queued.results.read(step, norm);
+                if verdict.is_err() {
+                    adamw.forget_skipped_step();
+                }
+                (model, verdict)
+            }
             TrainOptimizer::Burn(adamw) => {
-                let grads = match self.config.max_grad_norm {
-                    Some(max) => clip_grad_norm(&model, grads, max),
-                    None => grads,
-                };
-                adamw.step(lr, model, grads)
+                let passes = started.elapsed();
+                match queued.results.read(step, None) {
+                    Err(e) => {
+                        host = passes;
+                        (model, Err(e))
+                    }
+                    Ok(read) => {
+                        let optimizer = Instant::now();
+                        let grads = match self.config.max_grad_norm {
+                            Some(max) => clip_grad_norm(&model, queued.grads, max),
+                            None => queued.grads,
+                        };
+                        let model = adamw.step(lr, model, grads);
+                        host = passes + optimizer.elapsed();
+                        (model, Ok(read))
+                    }
+                }
             }
         };
-        self.step += 1;
-        Ok((
-            model,
+        let out = verdict.map(|(loss, tokens)| {
+            self.step += 1;
             StepOutput {
                 loss,
                 tokens,
                 learning_rate: lr,
+                host_seconds: host.as_secs_f64(),
+            }
+        });
+        (model, out)
+    }
+
+    /// Queues every micro-batch's forward and backward pass; nothing is
+    /// read back.
+    fn queue(
+        &self,
+        model: &CausalLm<B>,
+        micro_batches: &[MicroBatch<B>],
+    ) -> Result<QueuedStep<B>, ModelError> {
+        let ignore = CrossEntropyOptions::default().ignore_index;
+        // Counted tokens of all micro-batches (labels after the shift;
+        // position 0 never counts): every loss is divided by their sum.
+        let mut total: Option<Tensor<B, 1, Int>> = None;
+        for m in micro_batches {
+            let [_, s] = m.labels.dims();
+            if s >= 2 {
+                let counted = m.labels.clone().narrow(1, 1, s - 1).not_equal_elem(ignore);
+                let count = counted.int().sum();
+                total = Some(match total {
+                    Some(t) => t + count,
+                    None => count,
+                });
+            }
+        }
+        let device = micro_batches[0].labels.device();
+        let total = total.unwrap_or_else(|| Tensor::zeros([1], &device));
+        let divisor = total.clone().float().clamp_min(1.0);
+        let options = CrossEntropyOptions::default()
+            .with_reduction(Reduction::Sum)
+            .with_deferred_label_check();
+        let mut accumulator = GradientsAccumulator::new();
+        let mut losses = Vec::with_capacity(micro_batches.len());
+        let mut checks = Vec::with_capacity(micro_batches.len());
+        for m in micro_batches {
+            let out = model.loss(m.ids.clone(), m.labels.clone(), options)?;
+            let loss = out.loss / divisor.clone();
+            losses.push(loss.clone().detach());
+            checks.push(out.label_check.expect("a deferred label check"));
+            let grads = GradientsParams::from_grads(loss.backward(), model);
+            accumulator.accumulate(model, grads);
+        }
+        let loss = Tensor::cat(losses, 0).sum();
+        let mut skip = loss.clone().is_nan().bool_or(loss.clone().is_inf());
+        for check in &checks {
+            skip = skip.bool_or(check.failed());
+        }
+        Ok(QueuedStep {
+            grads: accumulator.grads(),
+            skip,
+            results: StepResults {
+                loss,
+                tokens: total,
+                checks,
+                seq: micro_batches.iter().map(|m| m.labels.dims()[1]).collect(),
             },
-        ))
+        })
+    }
+}
+
+/// A step whose passes are queued, and what it will read back.
+struct QueuedStep<B: AutodiffBackend> {
+    grads: GradientsParams,
+    /// `[1]`: the step must change nothing (bad label, non-finite loss).
+    skip: Tensor<B, 1, Bool>,
+    results: StepResults<B>,
+}
+
+/// The device values a step reports, read together at its end.
+struct StepResults<B: AutodiffBackend> {
+    /// The mean loss over every counted token, `[1]`.
+    loss: Tensor<B, 1>,
+    tokens: Tensor<B, 1, Int>,
+    checks: Vec<LabelCheck<B>>,
+    /// Each micro-batch's sequence length, to name an offending label's
+    /// row and column.
+    seq: Vec<usize>,
+}
+
+impl<B: AutodiffBackend> StepResults<B> {
+    /// Reads the step's values (two transfers, after everything is queued)
+    /// and returns `(loss, tokens)`, or the error of step number `step`.
+    fn read(self, step: usize, norm: Option<Tensor<B, 1>>) -> Result<(f64, usize), ModelError> {
+        let mut ints = vec![self.tokens];
+        ints.extend(self.checks.iter().map(LabelCheck::found));
+        let ints = Tensor::cat(ints, 0)
+            .into_data()
+            .convert::<i64>()
+            .into_vec::<i64>()
+            .map_err(|e| ModelError::Config(format!("step results could not be read: {e:?}")))?;
+        for (i, (check, seq)) in self.checks.iter().zip(&self.seq).enumerate() {
+            let found = [ints[1 + 2 * i], ints[2 + 2 * i]];
+            if let Some(e) = check.error(found) {
+                // The loss saw the labels shifted by one: flat position p
+                // is row p / seq, column p % seq + 1 of the batch's labels.
+                let p = found[0] as usize;
+                return Err(ModelError::Step {
+                    step,
+                    message: format!(
+                        "micro-batch {i}, row {}, column {}: {e}",
+                        p / seq,
+                        p % seq + 1
+                    ),
+                });
+            }
+        }
+        let mut floats = vec![self.loss];
+        floats.extend(norm);
+        let floats = Tensor::cat(floats, 0)
+            .into_data()
+            .convert::<f64>()
+            .into_vec::<f64>()
+            .map_err(|e| ModelError::Config(format!("step results could not be read: {e:?}")))?;
+        let loss = floats[0];
+        let norm = floats.get(1).copied();
+        if !loss.is_finite() || norm.is_some_and(|n| !n.is_finite()) {
+            let norm = norm.map_or(String::new(), |n| format!(", gradient norm {n}"));
+            return Err(ModelError::Step {
+                step,
+                message: format!(
+                    "loss {loss}{norm} is not finite; the step was skipped and no parameter changed"
+                ),
+            });
+        }
+        Ok((loss, ints[0] as usize))
     }
 }

@@ -90,8 +90,15 @@ pub fn build(dest: &str, only: &[String], with_bench: bool) -> Result<(), String
         names.push(name);
     }
     if with_bench {
-        let bench =
-            build_executables(&["build", "-p", "bastile-benches", "--bin", "bastile-bench"])?;
+        // Benchmarks measure the release build, as users run it.
+        let bench = build_executables(&[
+            "build",
+            "--release",
+            "-p",
+            "bastile-benches",
+            "--bin",
+            "bastile-bench",
+        ])?;
         let (_, bench_exe) = bench.first().ok_or("cargo built no benchmark binary")?;
         std::fs::copy(bench_exe, out.join("bastile-bench")).map_err(|e| e.to_string())?;
         run(Command::new("strip").arg(out.join("bastile-bench")))?;

@@ -197,8 +197,10 @@ fn bench(mut args: Vec<String>) -> Result<(), String> {
         }
     }
     let mut cmd = cargo();
+    // Benchmarks measure the release build, as users run it.
     cmd.args([
         "run",
+        "--release",
         "-p",
         "bastile-benches",
         "--all-features",

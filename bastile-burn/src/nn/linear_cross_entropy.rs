@@ -41,6 +41,7 @@ impl LinearCrossEntropyLossConfig {
                 z_loss: self.z_loss,
                 softcap: self.softcap,
                 chunk_size: self.chunk_size,
+                defer_label_check: false,
             },
         }
     }

@@ -62,6 +62,12 @@ pub struct CrossEntropyOptions {
     /// Tokens per chunk of the fused linear cross-entropy; chosen from the
     /// token count, vocabulary and device memory when `None`.
     pub chunk_size: Option<usize>,
+    /// Check the labels on the device and hand the result back as
+    /// [`CrossEntropyOutput::label_check`] instead of waiting for it: the
+    /// loss is queued without reading anything back, and the caller reads
+    /// the check when it reads the loss (a training step does so once, at
+    /// its end). Until then an out-of-range label counts for nothing.
+    pub defer_label_check: bool,
 }
 
 impl Default for CrossEntropyOptions {
@@ -74,6 +80,7 @@ impl Default for CrossEntropyOptions {
             z_loss: 0.0,
             softcap: None,
             chunk_size: None,
+            defer_label_check: false,
         }
     }
 }
@@ -118,6 +125,14 @@ impl CrossEntropyOptions {
     pub fn with_chunk_size(self, chunk_size: usize) -> Self {
         Self {
             chunk_size: Some(chunk_size),
+            ..self
+        }
+    }
+
+    /// See [`CrossEntropyOptions::defer_label_check`].
+    pub fn with_deferred_label_check(self) -> Self {
+        Self {
+            defer_label_check: true,
             ..self
         }
     }
@@ -196,45 +211,154 @@ pub struct CrossEntropyOutput<B: Backend> {
     pub z_loss: Option<Tensor<B, 1>>,
     /// Per-token log-sum-exp of the (capped) logits, f32, detached.
     pub lse: Tensor<B, 1>,
-    /// How many tokens counted (labels other than the ignore index).
-    pub tokens: usize,
+    /// How many tokens counted (labels other than the ignore index), `[1]`
+    /// on the device.
+    pub tokens: Tensor<B, 1, Int>,
+    /// The labels' check, still on the device, with
+    /// [`CrossEntropyOptions::defer_label_check`]; `None` when the labels
+    /// were checked before the loss was computed.
+    pub label_check: Option<LabelCheck<B>>,
 }
 
-/// Checks the labels against the vocabulary in one transfer and returns
-/// how many count.
+/// A check of a loss's labels computed on the device: the first label that
+/// is neither a class in `[0, V)` nor the ignore index. Nothing is read
+/// back until [`LabelCheck::result`] (or the caller reads [`LabelCheck::found`]
+/// together with other results and passes the values to
+/// [`LabelCheck::error`]).
+#[derive(Clone, Debug)]
+pub struct LabelCheck<B: Backend> {
+    /// `[position, label]` of the first offending label; the position is
+    /// `rows` when there is none.
+    found: Tensor<B, 1, Int>,
+    rows: usize,
+    vocab: usize,
+    ignore_index: i64,
+}
+
+impl<B: Backend> LabelCheck<B> {
+    /// Queues the check of `labels` (`[N]`, `N ≥ 1`) and the count of the
+    /// tokens that count (valid labels other than the ignore index).
+    pub fn new(
+        labels: &Tensor<B, 1, Int>,
+        vocab: usize,
+        ignore_index: i64,
+    ) -> (Self, Tensor<B, 1, Int>) {
+        let [rows] = labels.dims();
+        let counted = labels.clone().not_equal_elem(ignore_index);
+        let outside = labels
+            .clone()
+            .lower_elem(0)
+            .bool_or(labels.clone().greater_equal_elem(vocab as i64));
+        let bad = counted.clone().bool_and(outside);
+        let tokens = counted.bool_and(bad.clone().bool_not()).int().sum();
+        let position = Tensor::<B, 1, Int>::arange(0..rows as i64, &labels.device())
+            .mask_fill(bad.bool_not(), rows as i64)
+            .min();
+        let label = labels
+            .clone()
+            .gather(0, position.clone().clamp_max(rows as i64 - 1));
+        let check = Self {
+            found: Tensor::cat(vec![position, label], 0),
+            rows,
+            vocab,
+            ignore_index,
+        };
+        (check, tokens)
+    }
+
+    /// `[position, label]` of the first out-of-range label (the position is
+    /// the number of labels when there is none), on the device.
+    pub fn found(&self) -> Tensor<B, 1, Int> {
+        self.found.clone()
+    }
+
+    /// `[1]` on the device: whether a label is out of range.
+    pub fn failed(&self) -> Tensor<B, 1, burn::tensor::Bool> {
+        self.found.clone().slice(0..1).lower_elem(self.rows as i64)
+    }
+
+    /// The error that `found`, the values of [`LabelCheck::found`], report;
+    /// `None` when every label is valid.
+    pub fn error(&self, found: [i64; 2]) -> Option<BastileError> {
+        let [position, label] = found;
+        (position < self.rows as i64).then(|| {
+            BastileError::Shape(format!(
+                "label {label} at position {position} is outside the vocabulary [0, {}) and is not the ignore index {}",
+                self.vocab, self.ignore_index
+            ))
+        })
+    }
+
+    /// Reads the check (this waits for the device) and returns its error.
+    pub fn result(self) -> Result<(), BastileError> {
+        let found = read_ints(self.found.clone())?;
+        match self.error([found[0], found[1]]) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+/// An int tensor's values, read back.
+pub(crate) fn read_ints<B: Backend, const D: usize>(
+    t: Tensor<B, D, Int>,
+) -> Result<Vec<i64>, BastileError> {
+    t.into_data()
+        .convert::<i64>()
+        .into_vec::<i64>()
+        .map_err(|e| BastileError::DType(format!("labels could not be read: {e:?}")))
+}
+
+/// What [`check_labels`] found.
+pub(crate) struct CheckedLabels<B: Backend> {
+    /// The count of the tokens that count, on the device.
+    pub tokens: Tensor<B, 1, Int>,
+    /// The same count, when it was read back.
+    pub counted: Option<usize>,
+    /// The check, when it was left on the device.
+    pub deferred: Option<LabelCheck<B>>,
+}
+
+/// Checks the labels against the vocabulary and counts the tokens: on the
+/// device, handed back as they are, with
+/// [`CrossEntropyOptions::defer_label_check`]; otherwise read back in one
+/// transfer, an offending label then an error here.
 pub(crate) fn check_labels<B: Backend>(
     labels: &Tensor<B, 1, Int>,
     vocab: usize,
-    ignore_index: i64,
-) -> Result<usize, BastileError> {
-    let data = labels.clone().into_data().convert::<i64>();
-    let values = data
-        .as_slice::<i64>()
-        .map_err(|e| BastileError::DType(format!("labels could not be read: {e:?}")))?;
-    let mut counted = 0;
-    for (i, &label) in values.iter().enumerate() {
-        if label == ignore_index {
-            continue;
-        }
-        if label < 0 || label as u64 >= vocab as u64 {
-            return Err(BastileError::Shape(format!(
-                "label {label} at position {i} is outside the vocabulary [0, {vocab}) and is not the ignore index {ignore_index}"
-            )));
-        }
-        counted += 1;
+    options: &CrossEntropyOptions,
+) -> Result<CheckedLabels<B>, BastileError> {
+    let (check, tokens) = LabelCheck::new(labels, vocab, options.ignore_index);
+    if options.defer_label_check {
+        return Ok(CheckedLabels {
+            tokens,
+            counted: None,
+            deferred: Some(check),
+        });
     }
-    Ok(counted)
+    let read = read_ints(Tensor::cat(vec![check.found(), tokens.clone()], 0))?;
+    if let Some(e) = check.error([read[0], read[1]]) {
+        return Err(e);
+    }
+    Ok(CheckedLabels {
+        tokens,
+        counted: Some(read[2] as usize),
+        deferred: None,
+    })
 }
 
-/// Validates the options and resolves the loss scale.
+/// Validates the options and resolves the loss scale. A mean over a count
+/// still on the device (`counted` unknown, no normalizer) is computed as a
+/// sum here and divided by the count afterwards ([`output`]).
 pub(crate) fn spec(
     options: &CrossEntropyOptions,
-    counted: usize,
+    counted: Option<usize>,
 ) -> Result<LossSpec, BastileError> {
     options.validate()?;
-    let scale = match options.reduction {
-        Reduction::Mean => 1.0 / options.normalizer.unwrap_or(counted.max(1) as f64),
-        Reduction::Sum | Reduction::None => 1.0,
+    let scale = match (options.reduction, options.normalizer, counted) {
+        (Reduction::Mean, Some(n), _) => 1.0 / n,
+        (Reduction::Mean, None, Some(c)) => 1.0 / c.max(1) as f64,
+        _ => 1.0,
     };
     Ok(LossSpec {
         ignore_index: options.ignore_index,
@@ -253,7 +377,8 @@ pub(crate) fn output<B: Backend>(
     lse: FloatTensor<B>,
     labels: Tensor<B, 1, Int>,
     spec: &LossSpec,
-    tokens: usize,
+    checked: CheckedLabels<B>,
+    options: &CrossEntropyOptions,
 ) -> CrossEntropyOutput<B> {
     let lse = float::<B, 1>(lse).detach();
     let z_loss = (spec.z_loss > 0.0).then(|| {
@@ -261,11 +386,23 @@ pub(crate) fn output<B: Backend>(
         let rows = lse.clone().square() * counted * spec.z_loss;
         reduce(rows, spec)
     });
+    let mut loss = float::<B, 1>(loss);
+    let mut z_loss = z_loss;
+    // A mean whose count stayed on the device: [`spec`] left it a sum.
+    if spec.reduction == Reduction::Mean
+        && options.normalizer.is_none()
+        && checked.counted.is_none()
+    {
+        let count = checked.tokens.clone().float().clamp_min(1.0);
+        loss = loss / count.clone();
+        z_loss = z_loss.map(|z| z / count);
+    }
     CrossEntropyOutput {
-        loss: float(loss),
+        loss,
         z_loss,
         lse,
-        tokens,
+        tokens: checked.tokens,
+        label_check: checked.deferred,
     }
 }
 
@@ -281,7 +418,8 @@ pub(crate) fn reduce<B: Backend>(rows: Tensor<B, 1>, spec: &LossSpec) -> Tensor<
 ///
 /// Errors on mismatched shapes or devices, non-float logits, invalid
 /// options, and labels outside `[0, V)` that are not the ignore index (the
-/// labels are read once to check them and to count the tokens).
+/// labels are read once to check them and to count the tokens, unless
+/// [`CrossEntropyOptions::defer_label_check`] hands the check back).
 pub fn cross_entropy<B: BastileBackend>(
     logits: Tensor<B, 2>,
     labels: Tensor<B, 1, Int>,
@@ -291,14 +429,14 @@ pub fn cross_entropy<B: BastileBackend>(
     let [n, vocab] = logits.dims();
     check_tokens("logits", n, vocab, &labels)?;
     check_same_device("logits", &logits.device(), "labels", &labels.device())?;
-    let tokens = check_labels(&labels, vocab, options.ignore_index)?;
-    let spec = spec(&options, tokens)?;
+    let checked = check_labels(&labels, vocab, &options)?;
+    let spec = spec(&options, checked.counted)?;
     let (loss, lse) = B::cross_entropy(
         logits.into_primitive().tensor(),
         labels.clone().into_primitive(),
         spec,
     );
-    Ok(output(loss, lse, labels, &spec, tokens))
+    Ok(output(loss, lse, labels, &spec, checked, &options))
 }
 
 /// Errors unless there is at least one token and one class and the labels
@@ -332,15 +470,22 @@ fn capped<B: Backend>(logits: Tensor<B, 2>, spec: &LossSpec) -> Tensor<B, 2> {
     }
 }
 
-/// Labels with ignored entries replaced by class 0 (for gathers), and the
-/// f32 mask of counted tokens.
+/// Labels with the entries that do not count replaced by class 0 (for
+/// gathers), and the f32 mask of counted tokens. As in the kernels, a
+/// label outside `[0, vocab)` (which a deferred label check reports later)
+/// counts for nothing, like the ignore index.
 fn counted<B: Backend>(
     labels: Tensor<B, 1, Int>,
+    vocab: usize,
     spec: &LossSpec,
 ) -> (Tensor<B, 1, Int>, Tensor<B, 1>) {
-    let ignored = labels.clone().equal_elem(spec.ignore_index);
-    let safe = labels.mask_fill(ignored.clone(), 0);
-    (safe, ignored.bool_not().float())
+    let skipped = labels
+        .clone()
+        .equal_elem(spec.ignore_index)
+        .bool_or(labels.clone().lower_elem(0))
+        .bool_or(labels.clone().greater_equal_elem(vocab as i64));
+    let safe = labels.mask_fill(skipped.clone(), 0);
+    (safe, skipped.bool_not().float())
 }
 
 /// Reference forward with plain Burn ops: `(loss, lse)`, both f32.
@@ -351,11 +496,11 @@ pub fn composite<B: Backend>(
 ) -> (FloatTensor<B>, FloatTensor<B>) {
     let logits = float::<B, 2>(logits);
     let labels = Tensor::<B, 1, Int>::from_primitive(labels);
-    let [n, _] = logits.dims();
+    let [n, vocab] = logits.dims();
     let z = capped(logits, &spec);
     let m = z.clone().detach().max_dim(1);
     let lse = (z.clone() - m.clone()).exp().sum_dim(1).log() + m;
-    let (safe, counted) = counted(labels, &spec);
+    let (safe, counted) = counted(labels, vocab, &spec);
     let z_label = z.clone().gather(1, safe.reshape([n, 1]));
     let eps = spec.label_smoothing;
     let mut rows = lse.clone() - z_label * (1.0 - eps);
@@ -393,7 +538,7 @@ pub fn composite_backward<B: Backend>(
     let eps = spec.label_smoothing;
     let p = (z - lse.clone()).exp();
     let mut d = p * (lse * (2.0 * spec.z_loss) + 1.0) - eps / vocab as f64;
-    let (safe, counted) = counted(labels, &spec);
+    let (safe, counted) = counted(labels, vocab, &spec);
     let classes = Tensor::<B, 1, Int>::arange(0..vocab as i64, &device)
         .reshape([1, vocab])
         .expand([n, vocab]);

@@ -67,7 +67,8 @@ impl<T> LinearGrads<T> {
 ///
 /// Errors on mismatched shapes, dtypes or devices, invalid options, and
 /// labels outside `[0, V)` that are not the ignore index (the labels are
-/// read once to check them and to count the tokens).
+/// read once to check them and to count the tokens, unless
+/// [`CrossEntropyOptions::defer_label_check`] hands the check back).
 pub fn fused_linear_cross_entropy<B: BastileBackend>(
     hidden: Tensor<B, 2>,
     weight: Tensor<B, 2>,
@@ -106,8 +107,8 @@ pub fn fused_linear_cross_entropy<B: BastileBackend>(
     check_tokens("hidden", n, vocab, &labels)?;
     check_same_device("hidden", &hidden.device(), "weight", &weight.device())?;
     check_same_device("hidden", &hidden.device(), "labels", &labels.device())?;
-    let tokens = check_labels(&labels, vocab, options.ignore_index)?;
-    let spec = spec(&options, tokens)?;
+    let checked = check_labels(&labels, vocab, &options)?;
+    let spec = spec(&options, checked.counted)?;
     let (loss, lse) = B::linear_cross_entropy(
         hidden.into_primitive().tensor(),
         weight.into_primitive().tensor(),
@@ -115,7 +116,7 @@ pub fn fused_linear_cross_entropy<B: BastileBackend>(
         labels.clone().into_primitive(),
         spec,
     );
-    Ok(output(loss, lse, labels, &spec, tokens))
+    Ok(output(loss, lse, labels, &spec, checked, &options))
 }
 
 /// `hidden · weightᵀ (+ bias)` with plain Burn ops.
