@@ -29,6 +29,11 @@ use clap::{Parser, ValueEnum};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Runtime {
     Cuda,
+    /// CUDA without Burn's fusion backend (`CubeBackend` directly): every
+    /// op is dispatched as it comes, without the fusion layer's queue and
+    /// its per-op bookkeeping; Burn's own element-wise ops are then not
+    /// fused.
+    CudaUnfused,
     Wgpu,
 }
 
@@ -214,6 +219,18 @@ fn main() {
             #[cfg(feature = "cuda")]
             {
                 run::<cubecl::cuda::CudaRuntime, burn::backend::Cuda>(&args, "cuda")
+            }
+            #[cfg(not(feature = "cuda"))]
+            {
+                eprintln!("bastile-bench was built without feature `cuda`");
+                std::process::exit(2)
+            }
+        }
+        Runtime::CudaUnfused => {
+            #[cfg(feature = "cuda")]
+            {
+                type Unfused = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+                run::<cubecl::cuda::CudaRuntime, Unfused>(&args, "cuda-unfused")
             }
             #[cfg(not(feature = "cuda"))]
             {
