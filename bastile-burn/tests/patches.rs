@@ -2,10 +2,9 @@
 //! tests of this binary expect every op on, so the checks run in a child
 //! process: the test binary started again on this one test alone.
 
-use bastile::nn::RmsNormConfig;
 use bastile::{Bastile, BastileBackend, Op, Patches, apply, patched_ops, reset};
 use burn::backend::NdArray;
-use burn::tensor::{DType, Tensor};
+use burn::tensor::DType;
 
 #[cfg(feature = "wgpu")]
 type Gpu = burn::backend::Wgpu;
@@ -106,6 +105,9 @@ fn switchboard_checks() {
 
     #[cfg(feature = "wgpu")]
     if bastile_cubecl::testing::runtime_selected("wgpu", true) {
+        use bastile::nn::RmsNormConfig;
+        use burn::tensor::Tensor;
+
         let device = Default::default();
         assert!(<Bastile<Gpu> as BastileBackend>::rms_norm_fused(
             &device,
