@@ -12,8 +12,8 @@ use bastile::{BastileBackend, CrossEntropyOptions, LabelCheck, Reduction};
 use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Bool, Int, Tensor};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{BasicOps, Bool, Element, Int, Tensor};
 use std::time::{Duration, Instant};
 
 use crate::clip::clip_grad_norm;
@@ -220,7 +220,8 @@ where
         let host: Duration;
         let (model, verdict) = match &mut self.optimizer {
             TrainOptimizer::Fused(adamw) => {
-                let model = adamw.step_unless(lr, model, queued.grads, queued.skip.inner());
+                let skip = queued.results.skip().inner();
+                let model = adamw.step_unless(lr, model, queued.grads, skip);
                 let norm = adamw.last_norm().map(Tensor::from_inner);
                 host = started.elapsed();
                 let verdict = queued.results.read(step, norm);
@@ -231,22 +232,19 @@ where
             }
             TrainOptimizer::Burn(adamw) => {
                 let passes = started.elapsed();
-                match queued.results.read(step, None) {
-                    Err(e) => {
-                        host = passes;
-                        (model, Err(e))
-                    }
-                    Ok(read) => {
-                        let optimizer = Instant::now();
-                        let grads = match self.config.max_grad_norm {
-                            Some(max) => clip_grad_norm(&model, queued.grads, max),
-                            None => queued.grads,
-                        };
-                        let model = adamw.step(lr, model, grads);
-                        host = passes + optimizer.elapsed();
-                        (model, Ok(read))
-                    }
-                }
+                let verdict = queued.results.read(step, None);
+                let optimizer = Instant::now();
+                let model = if verdict.is_ok() {
+                    let grads = match self.config.max_grad_norm {
+                        Some(max) => clip_grad_norm(&model, queued.grads, max),
+                        None => queued.grads,
+                    };
+                    adamw.step(lr, model, grads)
+                } else {
+                    model
+                };
+                host = passes + optimizer.elapsed();
+                (model, verdict)
             }
         };
         let out = verdict.map(|(loss, tokens)| {
@@ -300,16 +298,10 @@ where
             let grads = GradientsParams::from_grads(loss.backward(), model);
             accumulator.accumulate(model, grads);
         }
-        let loss = Tensor::cat(losses, 0).sum();
-        let mut skip = loss.clone().is_nan().bool_or(loss.clone().is_inf());
-        for check in &checks {
-            skip = skip.bool_or(check.failed());
-        }
         Ok(QueuedStep {
             grads: accumulator.grads(),
-            skip,
             results: StepResults {
-                loss,
+                loss: Tensor::cat(losses, 0).sum(),
                 tokens: total,
                 checks,
                 seq: micro_batches.iter().map(|m| m.labels.dims()[1]).collect(),
@@ -321,8 +313,6 @@ where
 /// A step whose passes are queued, and what it will read back.
 struct QueuedStep<B: AutodiffBackend> {
     grads: GradientsParams,
-    /// `[1]`: the step must change nothing (bad label, non-finite loss).
-    skip: Tensor<B, 1, Bool>,
     results: StepResults<B>,
 }
 
@@ -337,17 +327,34 @@ struct StepResults<B: AutodiffBackend> {
     seq: Vec<usize>,
 }
 
+/// A tensor's values, read back (this waits for the device).
+fn read_back<B: Backend, K: BasicOps<B>, E: Element>(
+    t: Tensor<B, 1, K>,
+) -> Result<Vec<E>, ModelError> {
+    t.into_data()
+        .convert::<E>()
+        .into_vec::<E>()
+        .map_err(|e| ModelError::Config(format!("step results could not be read: {e:?}")))
+}
+
 impl<B: AutodiffBackend> StepResults<B> {
+    /// `[1]` on the device: the step must change nothing (a label out of
+    /// range, a loss that is not finite).
+    fn skip(&self) -> Tensor<B, 1, Bool> {
+        let loss = &self.loss;
+        let mut skip = loss.clone().is_nan().bool_or(loss.clone().is_inf());
+        for check in &self.checks {
+            skip = skip.bool_or(check.failed());
+        }
+        skip
+    }
+
     /// Reads the step's values (two transfers, after everything is queued)
     /// and returns `(loss, tokens)`, or the error of step number `step`.
     fn read(self, step: usize, norm: Option<Tensor<B, 1>>) -> Result<(f64, usize), ModelError> {
         let mut ints = vec![self.tokens];
         ints.extend(self.checks.iter().map(LabelCheck::found));
-        let ints = Tensor::cat(ints, 0)
-            .into_data()
-            .convert::<i64>()
-            .into_vec::<i64>()
-            .map_err(|e| ModelError::Config(format!("step results could not be read: {e:?}")))?;
+        let ints: Vec<i64> = read_back(Tensor::cat(ints, 0))?;
         for (i, (check, seq)) in self.checks.iter().zip(&self.seq).enumerate() {
             let found = [ints[1 + 2 * i], ints[2 + 2 * i]];
             if let Some(e) = check.error(found) {
@@ -366,11 +373,7 @@ impl<B: AutodiffBackend> StepResults<B> {
         }
         let mut floats = vec![self.loss];
         floats.extend(norm);
-        let floats = Tensor::cat(floats, 0)
-            .into_data()
-            .convert::<f64>()
-            .into_vec::<f64>()
-            .map_err(|e| ModelError::Config(format!("step results could not be read: {e:?}")))?;
+        let floats: Vec<f64> = read_back(Tensor::cat(floats, 0))?;
         let loss = floats[0];
         let norm = floats.get(1).copied();
         if !loss.is_finite() || norm.is_some_and(|n| !n.is_finite()) {

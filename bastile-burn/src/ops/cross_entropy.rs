@@ -347,17 +347,21 @@ pub(crate) fn check_labels<B: Backend>(
     })
 }
 
-/// Validates the options and resolves the loss scale. A mean over a count
-/// still on the device (`counted` unknown, no normalizer) is computed as a
-/// sum here and divided by the count afterwards ([`output`]).
+/// What a mean divides the summed loss by on the host: the normalizer, else
+/// the token count when it was read back. `None` leaves a mean's count on
+/// the device: [`spec`] then sums and [`output`] divides by the count.
+fn host_divisor(options: &CrossEntropyOptions, counted: Option<usize>) -> Option<f64> {
+    options.normalizer.or(counted.map(|c| c.max(1) as f64))
+}
+
+/// Validates the options and resolves the loss scale.
 pub(crate) fn spec(
     options: &CrossEntropyOptions,
     counted: Option<usize>,
 ) -> Result<LossSpec, BastileError> {
     options.validate()?;
-    let scale = match (options.reduction, options.normalizer, counted) {
-        (Reduction::Mean, Some(n), _) => 1.0 / n,
-        (Reduction::Mean, None, Some(c)) => 1.0 / c.max(1) as f64,
+    let scale = match (options.reduction, host_divisor(options, counted)) {
+        (Reduction::Mean, Some(divisor)) => 1.0 / divisor,
         _ => 1.0,
     };
     Ok(LossSpec {
@@ -381,18 +385,14 @@ pub(crate) fn output<B: Backend>(
     options: &CrossEntropyOptions,
 ) -> CrossEntropyOutput<B> {
     let lse = float::<B, 1>(lse).detach();
-    let z_loss = (spec.z_loss > 0.0).then(|| {
+    let mut z_loss = (spec.z_loss > 0.0).then(|| {
         let counted = labels.not_equal_elem(spec.ignore_index).float();
         let rows = lse.clone().square() * counted * spec.z_loss;
         reduce(rows, spec)
     });
     let mut loss = float::<B, 1>(loss);
-    let mut z_loss = z_loss;
     // A mean whose count stayed on the device: [`spec`] left it a sum.
-    if spec.reduction == Reduction::Mean
-        && options.normalizer.is_none()
-        && checked.counted.is_none()
-    {
+    if spec.reduction == Reduction::Mean && host_divisor(options, checked.counted).is_none() {
         let count = checked.tokens.clone().float().clamp_min(1.0);
         loss = loss / count.clone();
         z_loss = z_loss.map(|z| z / count);
