@@ -1,10 +1,12 @@
 //! [`AdamW`]: Burn's [`Optimizer`] on Bastile's fused step, for any Burn
 //! module.
 //!
-//! A step is one global-norm reduction over every gradient (two kernels of
-//! its own) and one fused kernel per parameter that reads the parameter,
-//! its gradient and both moments once and writes them back, instead of
-//! about fourteen element-wise ops per parameter and a clip of its own.
+//! A step is one global-norm reduction over every gradient and one fused
+//! update that reads every parameter, its gradient and both moments once
+//! and writes them back, each recorded as a single op over all parameters
+//! (a few launches of many parameters each), instead of about fourteen
+//! element-wise ops per parameter and a clip of its own. The parameters
+//! keep their shapes through the step: nothing is reshaped on the way.
 //! The math is `torch.optim.AdamW`'s (decoupled weight decay, bias
 //! correction), in f32 whatever the storage dtypes, with
 //! `clip_grad_norm_`'s global-norm clip folded in. On backends without the
@@ -37,18 +39,22 @@
 //! # Ok::<(), bastile::BastileError>(())
 //! ```
 
-use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use core::any::Any;
+
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId, ParamMapper};
 use burn::optim::{GradientsParams, LearningRate, MultiGradientsParams, Optimizer};
 use burn::record::Record;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Bool, DType, Tensor};
+use burn::tensor::{Bool, DType, Shape, Tensor};
 // Burn implements `Record` for hashbrown's map.
 use hashbrown::HashMap;
 
 use crate::ops::adamw::{AdamWStep, AdamWTensors, flat};
 use crate::ops::float;
 use crate::{BastileBackend, BastileError};
+use burn::tensor::ops::FloatTensorOps;
+use burn::tensor::{TensorMetadata, TensorPrimitive};
 
 /// The dtype the moments are kept in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -136,6 +142,45 @@ impl AdamWConfig {
             epsilon: self.epsilon,
             weight_decay: self.weight_decay,
             step,
+        }
+    }
+
+    /// Whether a parameter of `dtype` has an f32 master copy, and the dtype
+    /// of its moments.
+    fn layout(&self, dtype: DType) -> (bool, DType) {
+        let master = self.master_weights && dtype != DType::F32;
+        let moments = if master || self.moments == MomentDtype::F32 {
+            DType::F32
+        } else {
+            dtype
+        };
+        (master, moments)
+    }
+
+    /// The state of `weights` for this step: zero moments (and the master
+    /// copy) before its first step; a loaded state in the dtypes the
+    /// settings give, whatever precision its record was saved in.
+    fn state<B: Backend>(
+        &self,
+        weights: &FloatTensor<B>,
+        saved: Option<AdamWState<B>>,
+    ) -> AdamWState<B> {
+        let (master, moments) = self.layout(weights.dtype());
+        match saved {
+            Some(s) => AdamWState {
+                moment1: s.moment1.cast(moments),
+                moment2: s.moment2.cast(moments),
+                master: s.master.map(|m| m.cast(DType::F32)),
+            },
+            None => {
+                let weights = flat::<B>(weights.clone());
+                let zeros = Tensor::zeros_like(&weights).cast(moments);
+                AdamWState {
+                    moment1: zeros.clone(),
+                    moment2: zeros,
+                    master: master.then(|| weights.clone().cast(DType::F32)),
+                }
+            }
         }
     }
 
@@ -239,21 +284,19 @@ where
         grads: &mut GradientsParams,
         skip: Option<Tensor<B::InnerBackend, 1, Bool>>,
     ) -> M {
-        let mut found = CollectGrads::<B> {
+        // The parameters leave the module before the update is recorded, so
+        // the update holds their only reference and writes them in place.
+        let mut take = Take::<B> {
             grads,
-            found: HashMap::new(),
-            order: Vec::new(),
+            taken: Vec::new(),
         };
-        module.visit(&mut found);
-        let CollectGrads { found, order, .. } = found;
-        if order.is_empty() {
+        let module = module.map(&mut take);
+        let taken = take.taken;
+        if taken.is_empty() {
             return module;
         }
         self.step += 1;
-        let all: Vec<FloatTensor<B::InnerBackend>> = order
-            .iter()
-            .map(|id| found[id].clone().into_primitive().tensor())
-            .collect();
+        let all: Vec<FloatTensor<B::InnerBackend>> = taken.iter().map(|t| t.grad.clone()).collect();
         let mut clip = B::InnerBackend::adamw_clip(all, self.config.max_grad_norm);
         if let Some(skip) = skip {
             // A non-finite norm is what makes the update keep every value.
@@ -265,130 +308,123 @@ where
         }
         self.last_norm = Some(float(clip.clone()));
         let hyper = self.config.hyper(lr, self.step);
-        module.map(&mut Update::<B> {
-            config: &self.config,
-            states: &mut self.states,
-            grads: found,
-            clip,
-            hyper,
-        })
-    }
-}
-
-/// Takes the gradient of every float parameter out of the step's
-/// gradients, flat.
-struct CollectGrads<'a, B: AutodiffBackend> {
-    grads: &'a mut GradientsParams,
-    found: HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
-    /// The parameters in the module's order, which fixes the order the
-    /// norm sums them in.
-    order: Vec<ParamId>,
-}
-
-impl<B: AutodiffBackend> ModuleVisitor<B> for CollectGrads<'_, B> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
-            self.found.insert(
-                param.id,
-                flat::<B::InnerBackend>(g.into_primitive().tensor()),
-            );
-            self.order.push(param.id);
-        }
-    }
-}
-
-/// Replaces every parameter that has a gradient by its updated value.
-struct Update<'a, B: AutodiffBackend> {
-    config: &'a AdamWConfig,
-    states: &'a mut HashMap<ParamId, AdamWState<B::InnerBackend>>,
-    grads: HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
-    clip: FloatTensor<B::InnerBackend>,
-    hyper: AdamWStep,
-}
-
-impl<B: AutodiffBackend> Update<'_, B>
-where
-    B::InnerBackend: BastileBackend,
-{
-    /// Whether a parameter of `dtype` has an f32 master copy, and the dtype
-    /// of its moments.
-    fn layout(&self, dtype: DType) -> (bool, DType) {
-        let master = self.config.master_weights && dtype != DType::F32;
-        let moments = if master || self.config.moments == MomentDtype::F32 {
-            DType::F32
-        } else {
-            dtype
-        };
-        (master, moments)
-    }
-
-    /// The state of `weights` for this step: zero moments (and the master
-    /// copy) before its first step; a loaded state in the dtypes the
-    /// settings give, whatever precision its record was saved in.
-    fn state(
-        &self,
-        weights: &Tensor<B::InnerBackend, 1>,
-        saved: Option<AdamWState<B::InnerBackend>>,
-    ) -> AdamWState<B::InnerBackend> {
-        let (master, moments) = self.layout(weights.dtype());
-        match saved {
-            Some(s) => AdamWState {
-                moment1: s.moment1.cast(moments),
-                moment2: s.moment2.cast(moments),
-                master: s.master.map(|m| m.cast(DType::F32)),
-            },
-            None => {
-                let zeros = Tensor::zeros_like(weights).cast(moments);
-                AdamWState {
-                    moment1: zeros.clone(),
-                    moment2: zeros,
-                    master: master.then(|| weights.clone().cast(DType::F32)),
-                }
-            }
-        }
-    }
-}
-
-impl<B: AutodiffBackend> ModuleMapper<B> for Update<'_, B>
-where
-    B::InnerBackend: BastileBackend,
-{
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let (id, tensor, mapper) = param.consume();
-        let Some(grad) = self.grads.remove(&id) else {
-            return Param::from_mapped_value(id, tensor, mapper);
-        };
-        let require_grad = tensor.is_require_grad();
-        let dims = tensor.dims();
-        let weights = tensor.inner().reshape([dims.iter().product::<usize>()]);
-        let grad = grad.to_device(&weights.device());
-        let saved = self.states.remove(&id);
-        let state = self.state(&weights, saved);
-        let updated = B::InnerBackend::adamw_update(
-            AdamWTensors {
-                param: weights.into_primitive().tensor(),
+        let mut states = Vec::with_capacity(taken.len());
+        let mut grads = Vec::with_capacity(taken.len());
+        let mut order = Vec::with_capacity(taken.len());
+        for t in taken {
+            let saved = self.states.remove(&t.param.id);
+            let state = self.config.state(&t.weights, saved);
+            states.push(AdamWTensors {
+                param: t.weights,
                 moment1: state.moment1.into_primitive().tensor(),
                 moment2: state.moment2.into_primitive().tensor(),
                 master: state.master.map(|m| m.into_primitive().tensor()),
+            });
+            grads.push(t.grad);
+            order.push(t.param);
+        }
+        let updated = B::InnerBackend::adamw_update(states, grads, Some(clip), hyper);
+        let mut back = HashMap::with_capacity(order.len());
+        for (param, updated) in order.into_iter().zip(updated) {
+            self.states.insert(
+                param.id,
+                AdamWState {
+                    moment1: float(updated.moment1),
+                    moment2: float(updated.moment2),
+                    master: updated.master.map(float),
+                },
+            );
+            back.insert(param.id, (param, updated.param));
+        }
+        module.map(&mut Put::<B> { back })
+    }
+}
+/// What a parameter goes back to its module with, besides its new value.
+struct TakenParam {
+    id: ParamId,
+    dims: Vec<usize>,
+    require_grad: bool,
+    /// The parameter's `ParamMapper<Tensor<B, D>>`, for its rank `D`.
+    mapper: Box<dyn Any + Send>,
+}
+
+/// A parameter out of its module for the step, with its gradient, both in
+/// the parameter's shape (reshaping them would cost an op each).
+struct Taken<B: AutodiffBackend> {
+    param: TakenParam,
+    weights: FloatTensor<B::InnerBackend>,
+    grad: FloatTensor<B::InnerBackend>,
+}
+
+/// Takes every float parameter that has a gradient out of the module (a
+/// placeholder that must not be read stands in until [`Put`]), with its
+/// gradient, in the module's order, which fixes the order the norm sums
+/// them in.
+struct Take<'a, B: AutodiffBackend> {
+    grads: &'a mut GradientsParams,
+    taken: Vec<Taken<B>>,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Take<'_, B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) else {
+            return param;
+        };
+        let (id, tensor, mapper) = param.consume();
+        let require_grad = tensor.is_require_grad();
+        let dims = tensor.dims();
+        let device = tensor.device();
+        let weights = tensor.inner().into_primitive().tensor();
+        let grad = grad.to_device(&device).into_primitive().tensor();
+        self.taken.push(Taken {
+            param: TakenParam {
+                id,
+                dims: dims.to_vec(),
+                require_grad,
+                mapper: Box::new(mapper),
             },
-            grad.into_primitive().tensor(),
-            Some(self.clip.clone()),
-            self.hyper,
-        );
-        self.states.insert(
+            weights,
+            grad,
+        });
+        Param::uninitialized(
             id,
-            AdamWState {
-                moment1: float(updated.moment1),
-                moment2: float(updated.moment2),
-                master: updated.master.map(float),
-            },
-        );
-        let weights: Tensor<B::InnerBackend, 1> = float(updated.param);
-        let mut tensor = Tensor::from_inner(weights.reshape(dims));
-        if require_grad {
+            |_, _| unreachable!("a parameter read while the optimizer step holds it"),
+            device,
+            require_grad,
+            Shape::new(dims),
+        )
+    }
+}
+
+/// Puts every parameter [`Take`] took back into its module, updated.
+struct Put<B: AutodiffBackend> {
+    back: HashMap<ParamId, (TakenParam, FloatTensor<B::InnerBackend>)>,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Put<B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        // The placeholder is never read: only its id matters.
+        let Some((taken, weights)) = self.back.remove(&param.id) else {
+            return param;
+        };
+        let mapper = *taken
+            .mapper
+            .downcast::<ParamMapper<Tensor<B, D>>>()
+            .expect("a parameter keeps its rank through the step");
+        let shape = Shape::from(taken.dims);
+        // The fused update keeps the shape; the composite one gives it back
+        // flat.
+        let weights = if weights.shape() == shape {
+            weights
+        } else {
+            B::InnerBackend::float_reshape(weights, shape)
+        };
+        let weights = Tensor::<B::InnerBackend, D>::from_primitive(TensorPrimitive::Float(weights));
+        let mut tensor = Tensor::from_inner(weights);
+        if taken.require_grad {
             tensor = tensor.require_grad();
         }
-        Param::from_mapped_value(id, tensor, mapper)
+        Param::from_mapped_value(taken.id, tensor, mapper)
     }
 }
 

@@ -13,12 +13,13 @@ impl RuntimeTest for Info {
         let planes = launch::plane_sizes(&client);
         let hw = &client.properties().hardware;
         println!(
-            "{runtime}: planes {}..{} (ops: {}), max units/cube {}, shared {} B, units {}, dtypes {:?}",
+            "{runtime}: planes {}..{} (ops: {}), max units/cube {}, shared {} B, bindings {}, units {}, dtypes {:?}",
             planes.min,
             planes.max,
             planes.ops,
             hw.max_units_per_cube,
             hw.max_shared_memory_size,
+            hw.max_bindings,
             launch::parallel_units(&client),
             supported_dtypes(&client, dtypes)
         );

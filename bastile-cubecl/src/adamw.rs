@@ -1,9 +1,16 @@
-//! AdamW, fused: one launch per parameter reads the parameter, its gradient
-//! and both moments once and writes them back updated, the arithmetic in
-//! f32 whatever the storage dtypes; and the global gradient norm that
-//! clipping and the non-finite check need, reduced on the device in two
-//! stages (one f32 partial per cube of every gradient, then one cube over
-//! all partials), so the host never waits for it.
+//! AdamW, fused: every element of a parameter, its gradient and both
+//! moments is read once and written back updated, the arithmetic in f32
+//! whatever the storage dtypes; and the global gradient norm that clipping
+//! and the non-finite check need, reduced on the device in two stages (one
+//! f32 partial per cube of every gradient, then one cube over all
+//! partials), so the host never waits for it.
+//!
+//! A launch takes many parameters at once (up to [`PARAMS_PER_LAUNCH`] of
+//! the same dtypes and vector width, fewer where the device binds fewer
+//! buffers): each cube finds its parameter by its position among the
+//! launch's cubes. A model's step is then a handful of launches, not two
+//! per parameter, which matters because most of a model's parameters (the
+//! norms' weights) are too small to fill the device on their own.
 //!
 //! For the gradient `g` scaled by the clip factor `s`, step `t` (from 1),
 //! learning rate `lr`, weight decay `λ`:
@@ -27,7 +34,7 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
-use crate::elementwise::{Tile, TileLaunch, tile_item};
+use crate::elementwise::{Tile, TileLaunch};
 use crate::reduce::{CubeRowSum, cube_row_sum, lane_sum, row_sum};
 use crate::{FloatDtype, KernelError, launch};
 
@@ -37,6 +44,9 @@ const NORM_UNITS: u32 = 256;
 /// most: enough to fill the device, few enough that the partials of every
 /// gradient of a model stay a small buffer.
 const NORM_CUBES_PER_SM: usize = 4;
+/// Parameters (or gradients, for the norm) one launch takes at most: each
+/// brings its own buffers, and the kernel is compiled for the count.
+pub const PARAMS_PER_LAUNCH: usize = 32;
 /// The update's tile: 256 units, four vectors each.
 const UPDATE_TILE: TileLaunch = TileLaunch {
     vector_size: 0,
@@ -98,7 +108,7 @@ impl AdamWStep {
 }
 
 /// One parameter's update: `len` elements in contiguous buffers.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct AdamWProblem {
     pub len: usize,
     pub param: FloatDtype,
@@ -121,9 +131,13 @@ pub struct AdamWBuffers {
     pub moment2: Handle,
     /// The f32 master copy, when the problem has one.
     pub master: Option<Handle>,
-    /// `[scale, norm]` (f32) from [`clip_scale`]; `None` takes the gradient
-    /// as it is and skips no step.
-    pub clip: Option<Handle>,
+}
+
+/// One parameter of a step's [`update`].
+#[derive(Clone, Copy, Debug)]
+pub struct ParamUpdate<'a> {
+    pub problem: AdamWProblem,
+    pub buffers: &'a AdamWBuffers,
 }
 
 fn check_len(
@@ -143,34 +157,33 @@ fn check_len(
 }
 
 impl AdamWProblem {
-    fn validate(&self, buffers: &AdamWBuffers) -> Result<(), KernelError> {
-        check_len("the parameter", &buffers.param, self.len, self.param)?;
-        check_len("the gradient", &buffers.grad, self.len, self.grad)?;
-        check_len("the first moment", &buffers.moment1, self.len, self.moments)?;
+    /// Checks the buffers of parameter number `index` of a step.
+    fn validate(&self, index: usize, buffers: &AdamWBuffers) -> Result<(), KernelError> {
+        let of = |what: &str| format!("parameter {index}, {what}");
+        check_len(&of("the weights"), &buffers.param, self.len, self.param)?;
+        check_len(&of("the gradient"), &buffers.grad, self.len, self.grad)?;
         check_len(
-            "the second moment",
+            &of("the first moment"),
+            &buffers.moment1,
+            self.len,
+            self.moments,
+        )?;
+        check_len(
+            &of("the second moment"),
             &buffers.moment2,
             self.len,
             self.moments,
         )?;
         match (&buffers.master, self.master) {
-            (Some(m), true) => check_len("the master weights", m, self.len, FloatDtype::F32)?,
-            (None, false) => {}
-            (None, true) => {
-                return Err(KernelError::Shape(
-                    "the problem updates master weights but none were given".into(),
-                ));
-            }
-            (Some(_), false) => {
-                return Err(KernelError::Shape(
-                    "master weights were given to a problem without them".into(),
-                ));
-            }
+            (Some(m), true) => check_len(&of("the master weights"), m, self.len, FloatDtype::F32),
+            (None, false) => Ok(()),
+            (None, true) => Err(KernelError::Shape(of(
+                "the problem updates master weights but none were given",
+            ))),
+            (Some(_), false) => Err(KernelError::Shape(of(
+                "master weights were given to a problem without them",
+            ))),
         }
-        if let Some(clip) = &buffers.clip {
-            check_len("the clip factor", clip, 2, FloatDtype::F32)?;
-        }
-        Ok(())
     }
 
     /// The widest vector every buffer of the update loads whole and
@@ -204,6 +217,74 @@ fn aligned_vector_size<R: Runtime>(
     launch::vector_size(client, dtype, launch::gcd(len, start))
 }
 
+/// Splits `items` into the launches that take them: items of one key (the
+/// dtypes and vector width a kernel is compiled for) in the order they
+/// come, at most `per_launch` a launch.
+fn launches<K: PartialEq + Copy>(
+    items: impl Iterator<Item = (K, usize)>,
+    per_launch: usize,
+) -> Vec<(K, Vec<usize>)> {
+    let mut groups: Vec<(K, Vec<usize>)> = Vec::new();
+    for (key, index) in items {
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, members)) => members.push(index),
+            None => groups.push((key, vec![index])),
+        }
+    }
+    groups
+        .into_iter()
+        .flat_map(|(key, members)| {
+            members
+                .chunks(per_launch.max(1))
+                .map(|chunk| (key, chunk.to_vec()))
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// How many items of `buffers_each` buffers one launch may take next to
+/// `shared` buffers of its own, within the device's binding limit.
+fn per_launch<R: Runtime>(client: &ComputeClient<R>, buffers_each: usize, shared: usize) -> usize {
+    let bindings = client.properties().hardware.max_bindings as usize;
+    // One binding more stays free for the launch's metadata.
+    let room = bindings.saturating_sub(shared + 1) / buffers_each;
+    room.clamp(1, PARAMS_PER_LAUNCH)
+}
+
+/// The first cube of each item's span and, last, the cubes of all of
+/// them: `cubes.len() + 1` values.
+fn first_cubes(cubes: impl Iterator<Item = usize>) -> Vec<usize> {
+    let mut firsts = vec![0];
+    for c in cubes {
+        firsts.push(firsts.last().unwrap() + c);
+    }
+    firsts
+}
+
+fn scalars<R: Runtime>(values: &[usize]) -> SequenceArg<R, usize> {
+    values.iter().copied().collect()
+}
+
+fn tensors<R: Runtime, T: CubePrimitive>(
+    views: impl Iterator<Item = (Handle, usize)>,
+) -> SequenceArg<R, Tensor<T>> {
+    views
+        .map(|(handle, len)| unsafe {
+            TensorArg::<R>::from_raw_parts(handle, [1].into(), [len].into())
+        })
+        .collect()
+}
+
+/// What one update launch is compiled for: the parameters it takes share it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct UpdateKey {
+    param: FloatDtype,
+    grad: FloatDtype,
+    moments: FloatDtype,
+    master: bool,
+    vector_size: usize,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct UpdateConfig {
     tile: Tile,
@@ -211,16 +292,19 @@ struct UpdateConfig {
     clipped: bool,
 }
 
+/// Updates the parameters of the launch; cube `c` works on the parameter
+/// `t` with `first_cube[t] <= c < first_cube[t + 1]`.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn adamw_kernel<P: Float, G: Float, M: Float, N: Size>(
-    param: &mut Tensor<Vector<P, N>>,
-    grad: &Tensor<Vector<G, N>>,
-    moment1: &mut Tensor<Vector<M, N>>,
-    moment2: &mut Tensor<Vector<M, N>>,
-    master: &mut Tensor<Vector<f32, N>>,
+    params: &mut Sequence<Tensor<Vector<P, N>>>,
+    grads: &Sequence<Tensor<Vector<G, N>>>,
+    moment1: &mut Sequence<Tensor<Vector<M, N>>>,
+    moment2: &mut Sequence<Tensor<Vector<M, N>>>,
+    master: &mut Sequence<Tensor<Vector<f32, N>>>,
     clip: &Tensor<f32>,
-    vecs: usize,
+    first_cube: Sequence<usize>,
+    vecs: Sequence<usize>,
     learning_rate: f32,
     decay: f32,
     beta1: f32,
@@ -241,106 +325,151 @@ fn adamw_kernel<P: Float, G: Float, M: Float, N: Size>(
         let norm = clip[1];
         skip = norm.is_nan() || norm.is_inf();
     }
+    let count = comptime![params.len()];
+    let units = comptime![cfg.tile.units_per_cube as usize];
+    let per_cube = comptime![(cfg.tile.units_per_cube * cfg.tile.items_per_unit) as usize];
+    let cube = CUBE_POS;
     if !skip {
         let b1 = Vector::<f32, N>::new(beta1);
         let b2 = Vector::<f32, N>::new(beta2);
         let k1 = Vector::<f32, N>::new(gain1);
         let k2 = Vector::<f32, N>::new(gain2);
         #[unroll]
-        for k in 0..cfg.tile.items_per_unit as usize {
-            let i = tile_item(k, cfg.tile);
-            if i < vecs {
-                let g = Vector::<f32, N>::cast_from(grad[i]) * Vector::new(scale);
-                let m = b1 * Vector::cast_from(moment1[i]) + k1 * g;
-                let v = b2 * Vector::cast_from(moment2[i]) + k2 * g * g;
-                let p = if comptime![cfg.master] {
-                    master[i]
-                } else {
-                    Vector::<f32, N>::cast_from(param[i])
-                };
-                let m_hat = m / Vector::new(bias1);
-                let v_hat = v / Vector::new(bias2);
-                let step = m_hat / (v_hat.sqrt() + Vector::new(epsilon));
-                let p = p * Vector::new(decay) - step * Vector::new(learning_rate);
-                moment1[i] = Vector::cast_from(m);
-                moment2[i] = Vector::cast_from(v);
-                if comptime![cfg.master] {
-                    master[i] = p;
+        for t in 0..count {
+            let first = first_cube[t];
+            if cube >= first && cube < first_cube[t + 1] {
+                let n = vecs[t];
+                let base = (cube - first) * per_cube + UNIT_POS as usize;
+                let param = params.index_mut(t);
+                let moment1 = moment1.index_mut(t);
+                let moment2 = moment2.index_mut(t);
+                let grad = grads.index(t);
+                #[unroll]
+                for k in 0..cfg.tile.items_per_unit as usize {
+                    let i = base + k * units;
+                    if i < n {
+                        let g = Vector::<f32, N>::cast_from(grad[i]) * Vector::new(scale);
+                        let m = b1 * Vector::cast_from(moment1[i]) + k1 * g;
+                        let v = b2 * Vector::cast_from(moment2[i]) + k2 * g * g;
+                        let mut p = Vector::<f32, N>::cast_from(param[i]);
+                        if comptime![cfg.master] {
+                            p = master.index(t)[i];
+                        }
+                        let m_hat = m / Vector::new(bias1);
+                        let v_hat = v / Vector::new(bias2);
+                        let step = m_hat / (v_hat.sqrt() + Vector::new(epsilon));
+                        let p = p * Vector::new(decay) - step * Vector::new(learning_rate);
+                        moment1[i] = Vector::cast_from(m);
+                        moment2[i] = Vector::cast_from(v);
+                        if comptime![cfg.master] {
+                            let master = master.index_mut(t);
+                            master[i] = p;
+                        }
+                        param[i] = Vector::cast_from(p);
+                    }
                 }
-                param[i] = Vector::cast_from(p);
             }
         }
     }
 }
 
-/// Updates one parameter, its moments (and master copy) in place.
+/// Updates every parameter of `params`, their moments (and master copies)
+/// in place, the gradients scaled by `clip[0]` and the whole step skipped
+/// when the norm `clip[1]` is not finite (`clip` from [`clip_scale`];
+/// `None` takes the gradients as they are).
 pub fn update<R: Runtime>(
     client: &ComputeClient<R>,
-    problem: &AdamWProblem,
     hyper: &AdamWStep,
-    buffers: &AdamWBuffers,
+    clip: Option<&Handle>,
+    params: &[ParamUpdate],
 ) -> Result<(), KernelError> {
     hyper.validate()?;
-    problem.validate(buffers)?;
-    if problem.len == 0 {
-        return Ok(());
+    for (i, p) in params.iter().enumerate() {
+        p.problem.validate(i, p.buffers)?;
     }
-    let v = problem.vector_size(client, buffers);
-    let vecs = problem.len / v;
-    let tile = TileLaunch {
-        vector_size: v,
-        ..UPDATE_TILE
-    };
-    tile.check(client)?;
-    let cfg = UpdateConfig {
-        tile: tile.tile(1),
-        master: problem.master,
-        clipped: buffers.clip.is_some(),
-    };
-    let dummy = client.empty(16);
-    let arg = |handle: &Handle, len: usize| unsafe {
-        TensorArg::<R>::from_raw_parts(handle.clone(), [1].into(), [len].into())
-    };
-    let master = buffers.master.as_ref().unwrap_or(&dummy);
-    let clip = buffers.clip.as_ref().unwrap_or(&dummy);
+    if let Some(clip) = clip {
+        check_len("the clip factor", clip, 2, FloatDtype::F32)?;
+    }
+    let keyed = params.iter().enumerate().filter_map(|(i, p)| {
+        let key = UpdateKey {
+            param: p.problem.param,
+            grad: p.problem.grad,
+            moments: p.problem.moments,
+            master: p.problem.master,
+            vector_size: p.problem.vector_size(client, p.buffers),
+        };
+        (p.problem.len > 0).then_some((key, i))
+    });
+    let with_master = params.iter().any(|p| p.problem.master);
+    let per = per_launch(client, 4 + with_master as usize, 1);
     let (bias1, bias2) = hyper.bias_corrections();
     let decay = 1.0 - hyper.learning_rate * hyper.weight_decay;
-    unsafe {
-        adamw_kernel::launch_unchecked::<R>(
-            client,
-            tile.cube_count(client, vecs)?,
-            tile.cube_dim(),
-            v,
-            arg(&buffers.param, problem.len),
-            arg(&buffers.grad, problem.len),
-            arg(&buffers.moment1, problem.len),
-            arg(&buffers.moment2, problem.len),
-            arg(master, if problem.master { problem.len } else { v }),
-            arg(clip, 2),
-            vecs,
-            hyper.learning_rate as f32,
-            decay as f32,
-            hyper.beta1 as f32,
-            hyper.beta2 as f32,
-            (1.0 - hyper.beta1) as f32,
-            (1.0 - hyper.beta2) as f32,
-            bias1 as f32,
-            bias2 as f32,
-            hyper.epsilon as f32,
-            cfg,
-            [
-                problem.param.storage(),
-                problem.grad.storage(),
-                problem.moments.storage(),
-            ],
-        )
+    let dummy = client.empty(16);
+    for (key, members) in launches(keyed, per) {
+        let v = key.vector_size;
+        let tile = TileLaunch {
+            vector_size: v,
+            ..UPDATE_TILE
+        };
+        tile.check(client)?;
+        let vector_counts: Vec<usize> =
+            members.iter().map(|&i| params[i].problem.len / v).collect();
+        let per_cube = (tile.units_per_cube * tile.items_per_unit) as usize;
+        let firsts = first_cubes(vector_counts.iter().map(|n| n.div_ceil(per_cube)));
+        let cfg = UpdateConfig {
+            tile: tile.tile(1),
+            master: key.master,
+            clipped: clip.is_some(),
+        };
+        let view = |pick: &dyn Fn(&AdamWBuffers) -> Handle| {
+            members
+                .iter()
+                .map(move |&i| (pick(params[i].buffers), params[i].problem.len))
+                .collect::<Vec<_>>()
+        };
+        let masters = if key.master {
+            view(&|b| b.master.clone().expect("validated"))
+        } else {
+            Vec::new()
+        };
+        unsafe {
+            adamw_kernel::launch_unchecked::<R>(
+                client,
+                launch::cube_count(client, *firsts.last().unwrap())?,
+                tile.cube_dim(),
+                v,
+                tensors(view(&|b| b.param.clone()).into_iter()),
+                tensors(view(&|b| b.grad.clone()).into_iter()),
+                tensors(view(&|b| b.moment1.clone()).into_iter()),
+                tensors(view(&|b| b.moment2.clone()).into_iter()),
+                tensors(masters.into_iter()),
+                TensorArg::from_raw_parts(clip.unwrap_or(&dummy).clone(), [1].into(), [2].into()),
+                scalars(&firsts),
+                scalars(&vector_counts),
+                hyper.learning_rate as f32,
+                decay as f32,
+                hyper.beta1 as f32,
+                hyper.beta2 as f32,
+                (1.0 - hyper.beta1) as f32,
+                (1.0 - hyper.beta2) as f32,
+                bias1 as f32,
+                bias2 as f32,
+                hyper.epsilon as f32,
+                cfg,
+                [
+                    key.param.storage(),
+                    key.grad.storage(),
+                    key.moments.storage(),
+                ],
+            )
+        }
     }
     Ok(())
 }
 
-/// The partial sums a gradient of `len` elements writes: one per cube of
-/// its [`sum_squares`] launch. Offsets into a shared partials buffer are
-/// the running sum of these over the step's gradients.
+/// The partial sums a gradient of `len` elements writes: one per cube that
+/// sums it. Offsets into a shared partials buffer are the running sum of
+/// these over the step's gradients.
 pub fn norm_slots<R: Runtime>(client: &ComputeClient<R>, len: usize) -> usize {
     // A cube takes at least four elements a unit: fewer would leave most
     // of its units idle.
@@ -348,24 +477,39 @@ pub fn norm_slots<R: Runtime>(client: &ComputeClient<R>, len: usize) -> usize {
     len.div_ceil(4 * NORM_UNITS as usize).clamp(1, most)
 }
 
+/// Sums the squares of the gradients of the launch: cube `c` sums the
+/// `per_cube[t]` vectors of its share of gradient `t` (`first_cube[t] <= c
+/// < first_cube[t + 1]`) into `partials[offset + c]`.
 #[cube(launch_unchecked)]
 fn sum_squares_kernel<G: Float, N: Size>(
-    grad: &Tensor<Vector<G, N>>,
+    grads: &Sequence<Tensor<Vector<G, N>>>,
     partials: &mut Tensor<f32>,
-    vecs: usize,
-    chunk: usize,
+    first_cube: Sequence<usize>,
+    vecs: Sequence<usize>,
+    per_cube: Sequence<usize>,
     offset: usize,
     #[comptime] cfg: CubeRowSum,
     #[define(G)] _dtype: StorageType,
 ) {
     let units = comptime![NORM_UNITS as usize];
-    let start = CUBE_POS * chunk;
+    let count = comptime![grads.len()];
+    let cube = CUBE_POS;
     let mut acc = Vector::<f32, N>::new(0.0);
-    for k in 0..chunk.div_ceil(units) {
-        let i = start + k * units + UNIT_POS as usize;
-        if i < start + chunk && i < vecs {
-            let g = Vector::<f32, N>::cast_from(grad[i]);
-            acc += g * g;
+    #[unroll]
+    for t in 0..count {
+        let first = first_cube[t];
+        if cube >= first && cube < first_cube[t + 1] {
+            let chunk = per_cube[t];
+            let n = vecs[t];
+            let start = (cube - first) * chunk;
+            let grad = grads.index(t);
+            for k in 0..chunk.div_ceil(units) {
+                let i = start + k * units + UNIT_POS as usize;
+                if i < start + chunk && i < n {
+                    let g = Vector::<f32, N>::cast_from(grad[i]);
+                    acc += g * g;
+                }
+            }
         }
     }
     let mut scratch = SharedMemory::<f32>::new(cfg.slots as usize);
@@ -376,49 +520,9 @@ fn sum_squares_kernel<G: Float, N: Size>(
         cfg.slots,
         cfg.reduce,
     );
-    if UNIT_POS == 0 {
-        partials[offset + CUBE_POS] = total;
+    if UNIT_POS == 0 && cube < first_cube[count] {
+        partials[offset + cube] = total;
     }
-}
-
-/// Writes the sums of squares of `grad` (`len` contiguous elements of
-/// `dtype`) into `partials[offset .. offset + norm_slots(len)]` (f32).
-pub fn sum_squares<R: Runtime>(
-    client: &ComputeClient<R>,
-    grad: &Handle,
-    len: usize,
-    dtype: FloatDtype,
-    partials: &Handle,
-    offset: usize,
-) -> Result<(), KernelError> {
-    check_len("the gradient", grad, len, dtype)?;
-    let slots = norm_slots(client, len);
-    check_len(
-        "the norm partials",
-        partials,
-        offset + slots,
-        FloatDtype::F32,
-    )?;
-    let cfg = cube_row_sum(client, NORM_UNITS)?;
-    let v = aligned_vector_size(client, dtype, len, grad);
-    let vecs = len / v;
-    let chunk = vecs.div_ceil(slots).max(1);
-    unsafe {
-        sum_squares_kernel::launch_unchecked::<R>(
-            client,
-            launch::cube_count(client, slots)?,
-            CubeDim::new_1d(NORM_UNITS),
-            v,
-            TensorArg::from_raw_parts(grad.clone(), [1].into(), [len].into()),
-            TensorArg::from_raw_parts(partials.clone(), [1].into(), [offset + slots].into()),
-            vecs,
-            chunk,
-            offset,
-            cfg,
-            dtype.storage(),
-        )
-    }
-    Ok(())
 }
 
 #[cube(launch_unchecked)]
@@ -504,10 +608,10 @@ pub fn partials_len<R: Runtime>(
     lens.map(|len| norm_slots(client, len)).sum()
 }
 
-/// Writes `out = [scale, norm]` (f32) over every gradient of the step: each
-/// gradient's partial sums into its own span of `partials` (at least
-/// [`partials_len`] f32), then one cube over all of them (see
-/// [`clip_scale`]).
+/// Writes `out = [scale, norm]` (f32) over every gradient of the step:
+/// each gradient's partial sums (see [`norm_slots`]) into `partials` (at
+/// least [`partials_len`] f32), several gradients a launch, then one cube
+/// over all of them (see [`clip_scale`]).
 pub fn global_norm<R: Runtime>(
     client: &ComputeClient<R>,
     grads: &[GradView],
@@ -515,10 +619,51 @@ pub fn global_norm<R: Runtime>(
     max_norm: Option<f64>,
     out: &Handle,
 ) -> Result<(), KernelError> {
+    for (i, g) in grads.iter().enumerate() {
+        check_len(&format!("gradient {i}"), g.handle, g.len, g.dtype)?;
+    }
+    let total = partials_len(client, grads.iter().map(|g| g.len));
+    check_len("the norm partials", partials, total, FloatDtype::F32)?;
+    let cfg = cube_row_sum(client, NORM_UNITS)?;
+    let keyed = grads.iter().enumerate().filter_map(|(i, g)| {
+        let v = aligned_vector_size(client, g.dtype, g.len, g.handle);
+        (g.len > 0).then_some(((g.dtype, v), i))
+    });
     let mut offset = 0;
-    for g in grads {
-        sum_squares(client, g.handle, g.len, g.dtype, partials, offset)?;
-        offset += norm_slots(client, g.len);
+    for ((dtype, v), members) in launches(keyed, per_launch(client, 1, 1)) {
+        let slots: Vec<usize> = members
+            .iter()
+            .map(|&i| norm_slots(client, grads[i].len))
+            .collect();
+        let vector_counts: Vec<usize> = members.iter().map(|&i| grads[i].len / v).collect();
+        let per_cube: Vec<usize> = vector_counts
+            .iter()
+            .zip(&slots)
+            .map(|(n, s)| n.div_ceil(*s).max(1))
+            .collect();
+        let firsts = first_cubes(slots.iter().copied());
+        let cubes = *firsts.last().unwrap();
+        unsafe {
+            sum_squares_kernel::launch_unchecked::<R>(
+                client,
+                launch::cube_count(client, cubes)?,
+                CubeDim::new_1d(NORM_UNITS),
+                v,
+                tensors(
+                    members
+                        .iter()
+                        .map(|&i| (grads[i].handle.clone(), grads[i].len)),
+                ),
+                TensorArg::from_raw_parts(partials.clone(), [1].into(), [total].into()),
+                scalars(&firsts),
+                scalars(&vector_counts),
+                scalars(&per_cube),
+                offset,
+                cfg,
+                dtype.storage(),
+            )
+        }
+        offset += cubes;
     }
     clip_scale(client, partials, offset, max_norm, out)
 }

@@ -6,7 +6,9 @@
 //! non-finite gradients leave every buffer as it was; bad problems are
 //! errors.
 
-use bastile_cubecl::adamw::{self, AdamWBuffers, AdamWProblem, AdamWStep, GradView};
+use bastile_cubecl::adamw::{
+    self, AdamWBuffers, AdamWProblem, AdamWStep, GradView, PARAMS_PER_LAUNCH, ParamUpdate,
+};
 use bastile_cubecl::reference::adamw::{ParamState, clip_scale, global_norm};
 use bastile_cubecl::testing::*;
 use bastile_cubecl::{FloatDtype, KernelError};
@@ -122,7 +124,6 @@ fn check<R: Runtime>(
                     master: setup
                         .master
                         .then(|| upload(client, FloatDtype::F32, &weights)),
-                    clip: None,
                 },
                 reference: ParamState::new(weights),
             }
@@ -154,7 +155,32 @@ fn check<R: Runtime>(
             );
             out
         });
-        for (p, g) in params.iter_mut().zip(&grads) {
+        let problem = |len| AdamWProblem {
+            len,
+            param: dtype,
+            grad: dtype,
+            moments,
+            master: setup.master,
+        };
+        // The weights before the step, for the update's own check.
+        let olds: Vec<Vec<f64>> = params
+            .iter()
+            .map(|p| match &p.buffers.master {
+                Some(m) => download(client, FloatDtype::F32, m.clone()),
+                None => download(client, dtype, p.buffers.param.clone()),
+            })
+            .collect();
+        // Every parameter in one call, as a model's step runs.
+        let updates: Vec<ParamUpdate> = params
+            .iter()
+            .map(|p| ParamUpdate {
+                problem: problem(p.len),
+                buffers: &p.buffers,
+            })
+            .collect();
+        adamw::update(client, &h, clip.as_ref(), &updates).unwrap();
+        let (mut deltas, mut expected_deltas) = (Vec::new(), Vec::new());
+        for ((p, g), old) in params.iter_mut().zip(&grads).zip(olds) {
             let before = p.reference.weights.clone();
             p.reference.step(
                 g,
@@ -163,19 +189,7 @@ fn check<R: Runtime>(
                 |x| round_to(weights_dtype, x),
                 |x| round_to(moments, x),
             );
-            p.buffers.clip = clip.clone();
-            let problem = AdamWProblem {
-                len: p.len,
-                param: dtype,
-                grad: dtype,
-                moments,
-                master: setup.master,
-            };
-            let old = match &p.buffers.master {
-                Some(m) => download(client, FloatDtype::F32, m.clone()),
-                None => download(client, dtype, p.buffers.param.clone()),
-            };
-            adamw::update(client, &problem, &h, &p.buffers).unwrap();
+            let what = |x: &str, step: u64| what(&format!("{x} (len {})", p.len), step);
             let m1 = download(client, moments, p.buffers.moment1.clone());
             let m2 = download(client, moments, p.buffers.moment2.clone());
             let tol = tolerance(moments);
@@ -196,22 +210,20 @@ fn check<R: Runtime>(
                 seed,
             );
             if weights_dtype == FloatDtype::F32 {
-                // The update itself, which the stored weights dwarf: the
-                // weights' change against the reference's.
                 let new = match &p.buffers.master {
                     Some(m) => download(client, FloatDtype::F32, m.clone()),
                     None => param.clone(),
                 };
-                let delta: Vec<f64> = new.iter().zip(&old).map(|(n, o)| n - o).collect();
-                let expected: Vec<f64> = p
-                    .reference
-                    .weights
-                    .iter()
-                    .zip(&before)
-                    .map(|(n, o)| n - o)
-                    .collect();
-                assert_close(&what("update", step), &delta, &expected, 2e-5, seed);
+                deltas.extend(new.iter().zip(&old).map(|(n, o)| n - o));
+                expected_deltas.extend(p.reference.weights.iter().zip(&before).map(|(n, o)| n - o));
             }
+        }
+        if weights_dtype == FloatDtype::F32 {
+            // The update itself, which the stored weights dwarf: the
+            // weights' change against the reference's, over every
+            // parameter (the change of a single element can cancel to a
+            // few roundings of its weight).
+            assert_close(&what("update", step), &deltas, &expected_deltas, 2e-5, seed);
         }
     }
 }
@@ -237,6 +249,35 @@ impl RuntimeTest for FollowsReference {
 #[test]
 fn adamw_follows_the_reference_over_steps() {
     for_each_runtime(&FollowsReference);
+}
+
+struct ManyParameters;
+
+impl RuntimeTest for ManyParameters {
+    fn run<R: Runtime>(&self, device: &R::Device, _runtime: &str, dtypes: &[FloatDtype]) {
+        let client = R::client(device);
+        let mut rng = Rng::fresh();
+        // More parameters than one launch takes, lengths of every vector
+        // width interleaved (so one step has launches of several widths,
+        // each split in chunks).
+        let lens: Vec<usize> = (0..PARAMS_PER_LAUNCH * 2 + 7)
+            .map(|i| match i % 5 {
+                0 => 64 * (i + 1),
+                1 => 2 * i + 1,
+                2 => 4 * i + 4,
+                3 => 1030 + 4 * i,
+                _ => 2 * i + 2,
+            })
+            .collect();
+        for dtype in supported_dtypes(&client, dtypes) {
+            check(&client, dtype, SETUPS[2], &lens, 2, &mut rng);
+        }
+    }
+}
+
+#[test]
+fn many_parameters_follow_the_reference() {
+    for_each_runtime(&ManyParameters);
 }
 
 struct NonFinite;
@@ -273,7 +314,6 @@ impl RuntimeTest for NonFinite {
                         &moment.iter().map(|m| m * m).collect::<Vec<_>>(),
                     ),
                     master: Some(upload(&client, FloatDtype::F32, &weights)),
-                    clip: Some(clip),
                 };
                 // Every buffer the update may write, as bytes.
                 let snapshot = |b: &AdamWBuffers| -> Vec<Vec<u8>> {
@@ -290,7 +330,11 @@ impl RuntimeTest for NonFinite {
                     moments: dtype,
                     master: true,
                 };
-                adamw::update(&client, &problem, &hyper(4, 0.1), &buffers).unwrap();
+                let update = ParamUpdate {
+                    problem,
+                    buffers: &buffers,
+                };
+                adamw::update(&client, &hyper(4, 0.1), Some(&clip), &[update]).unwrap();
                 let after = snapshot(&buffers);
                 assert!(
                     before == after,
@@ -318,7 +362,6 @@ impl RuntimeTest for BadProblems {
             moment1: f32s(10),
             moment2: f32s(10),
             master: None,
-            clip: None,
         };
         let problem = AdamWProblem {
             len: 10,
@@ -328,7 +371,11 @@ impl RuntimeTest for BadProblems {
             master: false,
         };
         let ok = hyper(1, 0.0);
-        adamw::update(&client, &problem, &ok, &buffers).unwrap();
+        let one = |problem: AdamWProblem, buffers: &AdamWBuffers, h: &AdamWStep| {
+            let update = ParamUpdate { problem, buffers };
+            adamw::update(&client, h, None, &[update])
+        };
+        one(problem, &buffers, &ok).unwrap();
         let expect = |r: Result<(), KernelError>, needle: &str| {
             let e = r.expect_err(needle).to_string();
             assert!(e.contains(needle), "`{e}` does not say `{needle}`");
@@ -336,7 +383,7 @@ impl RuntimeTest for BadProblems {
         let with = |f: &dyn Fn(&mut AdamWStep)| {
             let mut h = ok;
             f(&mut h);
-            adamw::update(&client, &problem, &h, &buffers)
+            one(problem, &buffers, &h)
         };
         expect(with(&|h| h.step = 0), "steps count from 1");
         expect(with(&|h| h.beta1 = 1.0), "betas");
@@ -345,26 +392,17 @@ impl RuntimeTest for BadProblems {
         expect(with(&|h| h.learning_rate = -1.0), "learning rate");
         expect(with(&|h| h.weight_decay = f64::INFINITY), "weight decay");
         let long = AdamWProblem { len: 11, ..problem };
-        expect(
-            adamw::update(&client, &long, &ok, &buffers),
-            "the parameter",
-        );
+        expect(one(long, &buffers, &ok), "parameter 0, the weights");
         let half_moments = AdamWBuffers {
             moment2: f32s(5),
             ..buffers.clone()
         };
-        expect(
-            adamw::update(&client, &problem, &ok, &half_moments),
-            "the second moment",
-        );
+        expect(one(problem, &half_moments, &ok), "the second moment");
         let master = AdamWProblem {
             master: true,
             ..problem
         };
-        expect(
-            adamw::update(&client, &master, &ok, &buffers),
-            "none were given",
-        );
+        expect(one(master, &buffers, &ok), "none were given");
         let partials = f32s(1);
         expect(
             adamw::clip_scale(&client, &partials, 1, Some(0.0), &f32s(2)),
@@ -375,9 +413,23 @@ impl RuntimeTest for BadProblems {
             "the norm partials",
         );
         let big = 1 << 20;
+        let grad = f32s(big);
+        let view = GradView {
+            handle: &grad,
+            len: big,
+            dtype: FloatDtype::F32,
+        };
         expect(
-            adamw::sum_squares(&client, &f32s(big), big, FloatDtype::F32, &partials, 0),
+            adamw::global_norm(&client, &[view], &partials, None, &f32s(2)),
             "the norm partials",
+        );
+        let short = GradView {
+            len: big + 1,
+            ..view
+        };
+        expect(
+            adamw::global_norm(&client, &[view, short], &partials, None, &f32s(2)),
+            "gradient 1",
         );
     }
 }

@@ -44,7 +44,8 @@ pub struct TrainConfig {
 /// Which AdamW a [`Trainer`] steps with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum OptimizerKind {
-    /// Bastile's fused AdamW: one kernel per parameter, the clip folded in.
+    /// Bastile's fused AdamW: a few launches for all parameters, the clip
+    /// folded in.
     #[default]
     Fused,
     /// Burn's AdamW (about fourteen element-wise ops per parameter) after a

@@ -553,25 +553,34 @@ impl<B: FusionBackend + KernelBackend> KernelBackend for Fusion<B> {
     }
 
     fn adamw_update_kernel(
-        state: AdamWTensors<FloatTensor<Self>>,
-        grad: FloatTensor<Self>,
+        params: Vec<AdamWTensors<FloatTensor<Self>>>,
+        grads: Vec<FloatTensor<Self>>,
         clip: Option<FloatTensor<Self>>,
         hyper: AdamWStep,
-    ) -> AdamWTensors<FloatTensor<Self>> {
-        // Inputs: the state (3 or 4 tensors), the gradient, the clip factor.
-        let mut inputs = state.into_vec();
+    ) -> Vec<AdamWTensors<FloatTensor<Self>>> {
+        // Inputs: every state (3 or 4 tensors each), every gradient, the
+        // clip factor; outputs: every state.
+        let sizes: Vec<usize> = params.iter().map(AdamWTensors::tensor_count).collect();
+        let mut inputs: Vec<_> = params
+            .into_iter()
+            .flat_map(AdamWTensors::into_vec)
+            .collect();
         let outputs = inputs.iter().map(|t| (t.shape.clone(), t.dtype)).collect();
-        let state_len = inputs.len();
+        let states_len = inputs.len();
         let clipped = clip.is_some();
-        inputs.push(grad);
+        inputs.extend(grads);
         inputs.extend(clip);
+        let sizes_inside = sizes.clone();
         let out = record::<B>("bastile_adamw_update", inputs, outputs, move |mut i| {
             let clip = clipped.then(|| i.pop().expect("the clip factor"));
-            let grad = i.pop().expect("the gradient");
-            debug_assert_eq!(i.len(), state_len);
-            B::adamw_update_kernel(AdamWTensors::from_vec(i), grad, clip, hyper).into_vec()
+            let grads = i.split_off(states_len);
+            let states = AdamWTensors::split(i, &sizes_inside);
+            B::adamw_update_kernel(states, grads, clip, hyper)
+                .into_iter()
+                .flat_map(AdamWTensors::into_vec)
+                .collect()
         });
-        AdamWTensors::from_vec(out)
+        AdamWTensors::split(out, &sizes)
     }
 }
 

@@ -228,14 +228,14 @@ pub trait KernelBackend: Backend {
         unreachable!("adamw_clip_kernel called on a backend that does not support it")
     }
 
-    /// One parameter's fused AdamW step, in place where the buffers are not
-    /// shared.
+    /// The fused AdamW step of every parameter, each with its gradient of
+    /// `grads` (same order), in place where the buffers are not shared.
     fn adamw_update_kernel(
-        _state: AdamWTensors<FloatTensor<Self>>,
-        _grad: FloatTensor<Self>,
+        _params: Vec<AdamWTensors<FloatTensor<Self>>>,
+        _grads: Vec<FloatTensor<Self>>,
         _clip: Option<FloatTensor<Self>>,
         _hyper: AdamWStep,
-    ) -> AdamWTensors<FloatTensor<Self>> {
+    ) -> Vec<AdamWTensors<FloatTensor<Self>>> {
         unreachable!("adamw_update_kernel called on a backend that does not support it")
     }
 }

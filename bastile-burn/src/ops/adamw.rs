@@ -12,8 +12,9 @@ pub use bastile_cubecl::adamw::AdamWStep;
 
 use crate::ops::float;
 
-/// A parameter and its optimizer state, each tensor flat (`[numel]`): the
-/// update is element-wise.
+/// A parameter, in its own shape, and its optimizer state, flat
+/// (`[numel]`): the update is element-wise, so only the element count
+/// matters, and the parameter keeps its shape through the step.
 #[derive(Clone, Debug)]
 pub struct AdamWTensors<T> {
     pub param: T,
@@ -30,6 +31,21 @@ impl<T> AdamWTensors<T> {
         let mut list = vec![self.param, self.moment1, self.moment2];
         list.extend(self.master);
         list
+    }
+
+    /// How many tensors [`AdamWTensors::into_vec`] gives.
+    pub fn tensor_count(&self) -> usize {
+        3 + self.master.is_some() as usize
+    }
+
+    /// The states of a list of [`AdamWTensors::into_vec`] lists, one after
+    /// the other, of `sizes` tensors each.
+    pub fn split(list: Vec<T>, sizes: &[usize]) -> Vec<Self> {
+        let mut list = list.into_iter();
+        sizes
+            .iter()
+            .map(|&n| Self::from_vec(list.by_ref().take(n).collect()))
+            .collect()
     }
 
     /// The inverse of [`AdamWTensors::into_vec`].
@@ -80,8 +96,23 @@ pub fn composite_clip<B: Backend>(
     Tensor::cat(vec![scale, norm], 0).into_primitive().tensor()
 }
 
-/// One AdamW step of `state` with the gradient `grad` (flat, like the
-/// state) scaled by `clip[0]`; when `clip[1]` (the global norm) is not
+/// [`composite_update`] of every parameter, each with its gradient of
+/// `grads` (same order).
+pub fn composite_update_all<B: Backend>(
+    params: Vec<AdamWTensors<FloatTensor<B>>>,
+    grads: Vec<FloatTensor<B>>,
+    clip: Option<FloatTensor<B>>,
+    hyper: AdamWStep,
+) -> Vec<AdamWTensors<FloatTensor<B>>> {
+    params
+        .into_iter()
+        .zip(grads)
+        .map(|(state, grad)| composite_update::<B>(state, grad, clip.clone(), hyper))
+        .collect()
+}
+
+/// One AdamW step of `state` with the gradient `grad` (the parameter's
+/// shape, or flat) scaled by `clip[0]`; when `clip[1]` (the global norm) is not
 /// finite the state comes back unchanged. Arithmetic in f32.
 pub fn composite_update<B: Backend>(
     state: AdamWTensors<FloatTensor<B>>,
@@ -89,6 +120,7 @@ pub fn composite_update<B: Backend>(
     clip: Option<FloatTensor<B>>,
     hyper: AdamWStep,
 ) -> AdamWTensors<FloatTensor<B>> {
+    let shape = state.param.shape();
     let param = flat::<B>(state.param);
     let moment1 = flat::<B>(state.moment1);
     let moment2 = flat::<B>(state.moment2);
@@ -124,7 +156,7 @@ pub fn composite_update<B: Backend>(
     };
     let out = |t: Tensor<B, 1>| t.into_primitive().tensor();
     AdamWTensors {
-        param: out(keep(weights.clone().cast(param_dtype), param)),
+        param: B::float_reshape(out(keep(weights.clone().cast(param_dtype), param)), shape),
         moment1: out(keep(m.cast(moments_dtype), moment1)),
         moment2: out(keep(v.cast(moments_dtype), moment2)),
         master: master.map(|old| out(keep(weights, old))),

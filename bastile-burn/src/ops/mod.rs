@@ -266,15 +266,18 @@ pub trait BastileBackend: Backend {
         adamw::composite_clip::<Self>(grads, max_norm)
     }
 
-    /// One parameter's AdamW step (flat tensors) with the gradient scaled
-    /// by `clip[0]`, skipped when the norm `clip[1]` is not finite.
+    /// The AdamW step of every parameter (see [`AdamWTensors`] for the
+    /// shapes), each with its gradient of `grads` (same order, the
+    /// parameter's shape) scaled by `clip[0]`; the whole step is skipped
+    /// when the norm `clip[1]` is not finite. Each parameter comes back in
+    /// its shape, its state flat.
     fn adamw_update(
-        state: AdamWTensors<FloatTensor<Self>>,
-        grad: FloatTensor<Self>,
+        params: Vec<AdamWTensors<FloatTensor<Self>>>,
+        grads: Vec<FloatTensor<Self>>,
         clip: Option<FloatTensor<Self>>,
         hyper: AdamWStep,
-    ) -> AdamWTensors<FloatTensor<Self>> {
-        adamw::composite_update::<Self>(state, grad, clip, hyper)
+    ) -> Vec<AdamWTensors<FloatTensor<Self>>> {
+        adamw::composite_update_all::<Self>(params, grads, clip, hyper)
     }
 }
 
@@ -557,20 +560,51 @@ impl<B: KernelBackend> BastileBackend for Bastile<B> {
     }
 
     fn adamw_update(
-        state: AdamWTensors<FloatTensor<Self>>,
-        grad: FloatTensor<Self>,
+        params: Vec<AdamWTensors<FloatTensor<Self>>>,
+        grads: Vec<FloatTensor<Self>>,
         clip: Option<FloatTensor<Self>>,
         hyper: AdamWStep,
-    ) -> AdamWTensors<FloatTensor<Self>> {
-        let device = B::float_device(&state.param);
-        let fused = [&state.param, &grad, &state.moment1]
-            .into_iter()
-            .all(|t| B::elementwise_supported(&device, t.dtype()));
-        if fused {
-            B::adamw_update_kernel(state, grad, clip, hyper)
-        } else {
-            adamw::composite_update::<B>(state, grad, clip, hyper)
+    ) -> Vec<AdamWTensors<FloatTensor<Self>>> {
+        let Some(first) = params.first() else {
+            return Vec::new();
+        };
+        let device = B::float_device(&first.param);
+        // The parameters the kernels take go in one call; the others (a
+        // dtype the kernels are not built for) run as plain ops.
+        let fused: Vec<bool> = params
+            .iter()
+            .zip(&grads)
+            .map(|(state, grad)| {
+                [&state.param, grad, &state.moment1]
+                    .into_iter()
+                    .all(|t| B::elementwise_supported(&device, t.dtype()))
+            })
+            .collect();
+        let (mut kernel, mut composite) = ((vec![], vec![]), (vec![], vec![]));
+        for ((state, grad), &fused) in params.into_iter().zip(grads).zip(&fused) {
+            let side = if fused { &mut kernel } else { &mut composite };
+            side.0.push(state);
+            side.1.push(grad);
         }
+        let mut kernel = if kernel.0.is_empty() {
+            Vec::new()
+        } else {
+            B::adamw_update_kernel(kernel.0, kernel.1, clip.clone(), hyper)
+        }
+        .into_iter();
+        let mut composite =
+            adamw::composite_update_all::<B>(composite.0, composite.1, clip, hyper).into_iter();
+        fused
+            .into_iter()
+            .map(|fused| {
+                let next = if fused {
+                    kernel.next()
+                } else {
+                    composite.next()
+                };
+                next.expect("one updated state per parameter")
+            })
+            .collect()
     }
 }
 

@@ -1,5 +1,5 @@
 //! The fused AdamW step on `CubeBackend`: the gradients' global norm into
-//! one small buffer, then each parameter updated in place.
+//! one small buffer, then every parameter updated in place, many a launch.
 
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::CubeRuntime;
@@ -7,7 +7,7 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 
 use bastile_cubecl::FloatDtype;
-use bastile_cubecl::adamw::{self, AdamWBuffers, AdamWProblem, AdamWStep, GradView};
+use bastile_cubecl::adamw::{self, AdamWBuffers, AdamWProblem, AdamWStep, GradView, ParamUpdate};
 
 use super::empty_like;
 use crate::kernels::kernel_dtype;
@@ -54,38 +54,54 @@ pub(super) fn clip<R: CubeRuntime>(
 }
 
 pub(super) fn update<R: CubeRuntime>(
-    state: AdamWTensors<CubeTensor<R>>,
-    grad: CubeTensor<R>,
+    params: Vec<AdamWTensors<CubeTensor<R>>>,
+    grads: Vec<CubeTensor<R>>,
     clip: Option<CubeTensor<R>>,
     hyper: AdamWStep,
-) -> AdamWTensors<CubeTensor<R>> {
-    let param = writable(state.param);
-    let moment1 = writable(state.moment1);
-    let moment2 = writable(state.moment2);
-    let master = state.master.map(writable);
-    let grad = into_contiguous(grad);
+) -> Vec<AdamWTensors<CubeTensor<R>>> {
+    let Some(client) = params.first().map(|p| p.param.client.clone()) else {
+        return Vec::new();
+    };
+    let params: Vec<AdamWTensors<CubeTensor<R>>> = params
+        .into_iter()
+        .map(|state| AdamWTensors {
+            param: writable(state.param),
+            moment1: writable(state.moment1),
+            moment2: writable(state.moment2),
+            master: state.master.map(writable),
+        })
+        .collect();
+    let grads: Vec<CubeTensor<R>> = grads.into_iter().map(into_contiguous).collect();
     let clip = clip.map(into_contiguous);
-    let problem = AdamWProblem {
-        len: param.shape().num_elements(),
-        param: dtype_of(&param),
-        grad: dtype_of(&grad),
-        moments: dtype_of(&moment1),
-        master: master.is_some(),
-    };
-    let buffers = AdamWBuffers {
-        param: param.handle.clone(),
-        grad: grad.handle.clone(),
-        moment1: moment1.handle.clone(),
-        moment2: moment2.handle.clone(),
-        master: master.as_ref().map(|m| m.handle.clone()),
-        clip: clip.as_ref().map(|c| c.handle.clone()),
-    };
-    adamw::update(&param.client, &problem, &hyper, &buffers)
+    let buffers: Vec<(AdamWProblem, AdamWBuffers)> = params
+        .iter()
+        .zip(&grads)
+        .map(|(state, grad)| {
+            let problem = AdamWProblem {
+                len: state.param.shape().num_elements(),
+                param: dtype_of(&state.param),
+                grad: dtype_of(grad),
+                moments: dtype_of(&state.moment1),
+                master: state.master.is_some(),
+            };
+            let buffers = AdamWBuffers {
+                param: state.param.handle.clone(),
+                grad: grad.handle.clone(),
+                moment1: state.moment1.handle.clone(),
+                moment2: state.moment2.handle.clone(),
+                master: state.master.as_ref().map(|m| m.handle.clone()),
+            };
+            (problem, buffers)
+        })
+        .collect();
+    let updates: Vec<ParamUpdate> = buffers
+        .iter()
+        .map(|(problem, buffers)| ParamUpdate {
+            problem: *problem,
+            buffers,
+        })
+        .collect();
+    adamw::update(&client, &hyper, clip.as_ref().map(|c| &c.handle), &updates)
         .unwrap_or_else(|e| panic!("AdamW launch after a positive support check: {e}"));
-    AdamWTensors {
-        param,
-        moment1,
-        moment2,
-        master,
-    }
+    params
 }

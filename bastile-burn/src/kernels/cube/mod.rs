@@ -310,11 +310,11 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KernelBack
     }
 
     fn adamw_update_kernel(
-        state: AdamWTensors<FloatTensor<Self>>,
-        grad: FloatTensor<Self>,
+        params: Vec<AdamWTensors<FloatTensor<Self>>>,
+        grads: Vec<FloatTensor<Self>>,
         clip: Option<FloatTensor<Self>>,
         hyper: AdamWStep,
-    ) -> AdamWTensors<FloatTensor<Self>> {
-        adamw::update(state, grad, clip, hyper)
+    ) -> Vec<AdamWTensors<FloatTensor<Self>>> {
+        adamw::update(params, grads, clip, hyper)
     }
 }
