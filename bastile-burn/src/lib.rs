@@ -46,6 +46,7 @@ pub struct ReadmeDoctests;
 
 mod backend;
 mod error;
+pub mod kernel_cache;
 pub mod kernels;
 pub mod nn;
 pub mod ops;

@@ -211,6 +211,8 @@ fn main() {
     if !args.child {
         progress::start();
     }
+    // Kernels compiled by an earlier run (or configuration) load from disk.
+    bastile::kernel_cache::use_kernel_cache();
     let runtime = args
         .runtime
         .expect("clap requires --runtime without --replot");

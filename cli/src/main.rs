@@ -140,7 +140,10 @@ enum OptimizerArg {
 }
 
 fn main() -> ExitCode {
-    match run(Cli::parse()) {
+    let cli = Cli::parse();
+    // Kernels compiled by an earlier run on this machine load from disk.
+    bastile::kernel_cache::use_kernel_cache();
+    match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
