@@ -253,21 +253,32 @@ fn main() {
         }
     };
     if args.compare_pytorch {
+        // Bastile's rows are on disk before the PyTorch runs start (the
+        // compiled ones take minutes), so a run stopped during them keeps
+        // what it measured.
+        save(&report, &args, false);
         pytorch::compare(&args, &mut report);
     }
     progress::finish();
     println!("{}", report.markdown());
-    if let Some(path) = &args.out {
-        match report.write(path) {
-            Ok(written) => {
-                for file in written {
-                    eprintln!("written: {}", file.display());
-                }
+    save(&report, &args, true);
+}
+
+/// Writes the results to `--out`, if given; `last` says where they went.
+fn save(report: &report::Report, args: &Args, last: bool) {
+    let Some(path) = &args.out else {
+        return;
+    };
+    match report.write(path) {
+        Ok(written) if last => {
+            for file in written {
+                eprintln!("written: {}", file.display());
             }
-            Err(e) => {
-                eprintln!("could not write the results: {e}");
-                std::process::exit(1);
-            }
+        }
+        Ok(_) => {}
+        Err(e) => {
+            eprintln!("could not write the results: {e}");
+            std::process::exit(1);
         }
     }
 }
