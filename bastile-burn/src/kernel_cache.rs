@@ -5,12 +5,17 @@
 //! process's start, with autotuning, whose results CubeCL already keeps in
 //! its own cache).
 //!
+//! A directory that cannot hold the cache (not writable, a file in it that
+//! does not open) leaves it off with a warning; entries CubeCL cannot
+//! decode it skips with a warning of its own.
+//!
 //! The cache holds no device-specific check: a home directory shared by
 //! machines with different GPU generations should give each its own
 //! `BASTILE_KERNEL_CACHE` directory.
 
 use std::ffi::OsString;
-use std::path::PathBuf;
+use std::fs::{self, OpenOptions};
+use std::path::{Path, PathBuf};
 
 use cubecl::config::cache::CacheConfig;
 use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
@@ -46,6 +51,10 @@ pub enum KernelCache {
     Configured,
     /// Off: `BASTILE_KERNEL_CACHE=0`, or no home directory to keep it in.
     Off,
+    /// The directory cannot hold the cache (it cannot be created or
+    /// written, or a file in it cannot be read): CubeCL would stop the
+    /// program on it, so kernels are compiled without it, with a warning.
+    Unusable(PathBuf, String),
     /// CubeCL had read its configuration already (a device was used
     /// before the call), so it stays as it was.
     TooLate,
@@ -65,6 +74,13 @@ pub fn use_kernel_cache() -> KernelCache {
     let Some(dir) = kernel_cache_dir() else {
         return KernelCache::Off;
     };
+    if let Err(why) = check_usable(&dir) {
+        eprintln!(
+            "bastile: the kernel cache in {} is not usable ({why}); kernels are compiled without it",
+            dir.display()
+        );
+        return KernelCache::Unusable(dir, why);
+    }
     config.compilation.cache = Some(CacheConfig::File(dir.clone()));
     let mut stored = CubeClRuntimeConfig::storage().lock();
     if stored.is_some() {
@@ -72,6 +88,37 @@ pub fn use_kernel_cache() -> KernelCache {
     }
     *stored = Some(std::sync::Arc::new(config));
     KernelCache::On(dir)
+}
+
+/// Whether CubeCL can keep its cache in `dir`: the directory can be
+/// created and written, and every file already in it opens for reading
+/// and appending (CubeCL stops the program when one does not; entries it
+/// cannot decode it skips with a warning).
+fn check_usable(dir: &Path) -> Result<(), String> {
+    fs::create_dir_all(dir).map_err(|e| format!("cannot create it: {e}"))?;
+    let probe = dir.join(format!(".bastile-probe-{}", std::process::id()));
+    fs::write(&probe, b"probe").map_err(|e| format!("cannot write in it: {e}"))?;
+    let _ = fs::remove_file(&probe);
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(next) = pending.pop() {
+        let entries =
+            fs::read_dir(&next).map_err(|e| format!("cannot list {}: {e}", next.display()))?;
+        for entry in entries {
+            let path = entry
+                .map_err(|e| format!("cannot list {}: {e}", next.display()))?
+                .path();
+            if path.is_dir() {
+                pending.push(path);
+            } else {
+                OpenOptions::new()
+                    .read(true)
+                    .append(true)
+                    .open(&path)
+                    .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -113,5 +160,33 @@ mod tests {
             Some(PathBuf::from("/home/u/.cache/bastile/kernels"))
         );
         assert_eq!(cache_dir_from(env(&[])), None);
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_directory_that_cannot_hold_the_cache_is_refused() {
+        let base = std::env::temp_dir().join(format!("bastile-cache-test-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&base);
+        // A usable directory, with a cache file in a subdirectory.
+        let good = base.join("good");
+        fs::create_dir_all(good.join("cuda")).unwrap();
+        fs::write(good.join("cuda").join("chunk0.cbor"), b"not cbor").unwrap();
+        assert_eq!(check_usable(&good), Ok(()));
+        // A file where the directory should be.
+        let file = base.join("file");
+        fs::write(&file, b"x").unwrap();
+        let why = check_usable(&file).unwrap_err();
+        assert!(why.contains("cannot create it"), "{why}");
+        // A cache file that cannot be opened (a link to nothing).
+        let broken = base.join("broken");
+        fs::create_dir_all(broken.join("cuda")).unwrap();
+        std::os::unix::fs::symlink(
+            base.join("nowhere"),
+            broken.join("cuda").join("chunk0.cbor"),
+        )
+        .unwrap();
+        let why = check_usable(&broken).unwrap_err();
+        assert!(why.contains("chunk0.cbor"), "{why}");
+        let _ = fs::remove_dir_all(&base);
     }
 }
