@@ -4,7 +4,7 @@
 //! final Hugging Face export.
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bastile::BastileBackend;
 use bastile_models::{CausalLm, MicroBatch, OptimizerKind, TrainConfig, Trainer};
@@ -181,6 +181,20 @@ impl Task for Finetune {
         let pad_id = tokenizer.pad_id();
         let multiple = o.pad_to_multiple.unwrap_or(info.pad_multiple());
         let start = Instant::now();
+        let gpu = info.device != DeviceKind::Cpu;
+        if gpu {
+            // The first step compiles and tunes every kernel it meets: minutes
+            // on a machine that has not run this model before, without a
+            // sign of life unless said so.
+            let note = "step 1 compiles and tunes the kernels (minutes the first time on a \
+                        machine, seconds once they are cached)";
+            if o.progress {
+                bar.set_message(note);
+                bar.enable_steady_tick(Duration::from_millis(500));
+            } else {
+                eprintln!("{note}");
+            }
+        }
         for step in 1..=steps {
             let mut micro = Vec::with_capacity(o.grad_accum);
             for _ in 0..o.grad_accum {
@@ -210,6 +224,18 @@ impl Task for Finetune {
             );
             if !o.progress && (step % o.log_every == 0 || step == steps) {
                 eprintln!("step {step:>5}/{steps}  {status}");
+            }
+            if step == 1 && gpu {
+                let first = format!(
+                    "step 1 took {:.1} s, compiling and tuning included",
+                    start.elapsed().as_secs_f64()
+                );
+                if o.progress {
+                    bar.disable_steady_tick();
+                    bar.println(first);
+                } else {
+                    eprintln!("{first}");
+                }
             }
             bar.set_message(status);
             bar.inc(1);
