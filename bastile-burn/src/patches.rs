@@ -37,7 +37,7 @@ impl Op {
         1 << (self as u32)
     }
 
-    /// The op's name, as the Python API spells it.
+    /// The op's name in snake case, as it is displayed.
     pub fn name(self) -> &'static str {
         match self {
             Op::RmsNorm => "rms_norm",
