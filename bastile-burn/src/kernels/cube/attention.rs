@@ -9,7 +9,7 @@ use bastile_cubecl::attention::{
     self, AttentionBackwardBuffers, AttentionForwardBuffers, AttentionProblem, HeadLayout,
 };
 
-use super::cross_entropy::labels_i32;
+use super::contiguous_i32;
 use crate::kernels::kernel_dtype;
 use crate::ops::attention::{AttentionGrads, AttentionKernels, AttentionSpec, attention_kernels};
 use crate::patches::{Op, is_enabled};
@@ -152,7 +152,7 @@ pub(super) fn forward<R: CubeRuntime>(
     let [b, h, sq, _] = q.shape().dims();
     let lse = f32_rows(&q, Shape::new([b, h, sq]));
     let sinks = sinks.map(sinks_f32);
-    let lengths = key_lengths.map(labels_i32);
+    let lengths = key_lengths.map(contiguous_i32);
     let buffers = AttentionForwardBuffers {
         q: q_l,
         k: k_l,
@@ -199,7 +199,7 @@ pub(super) fn backward<R: CubeRuntime>(
     let delta = f32_rows(&q, Shape::new([b, h, sq]));
     let dsink_rows = sinks.as_ref().map(|_| f32_rows(&q, Shape::new([b, h, sq])));
     let sinks = sinks.map(sinks_f32);
-    let lengths = key_lengths.map(labels_i32);
+    let lengths = key_lengths.map(contiguous_i32);
     let buffers = AttentionBackwardBuffers {
         q: q_l,
         k: k_l,

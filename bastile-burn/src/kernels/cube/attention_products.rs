@@ -28,7 +28,7 @@ use bastile_cubecl::attention::{
 };
 
 use super::attention::{checked_problem, heads, sinks_f32};
-use super::cross_entropy::labels_i32;
+use super::contiguous_i32;
 use super::matmul::matmul_blas;
 use crate::ops::attention::{AttentionGrads, AttentionSpec, block_rows};
 
@@ -158,7 +158,7 @@ impl<R: CubeRuntime> Inputs<R> {
             k: heads(k).0,
             v: heads(v).0,
             sinks: sinks.map(sinks_f32),
-            lengths: key_lengths.map(labels_i32),
+            lengths: key_lengths.map(contiguous_i32),
         }
     }
 

@@ -3,7 +3,7 @@
 
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::CubeRuntime;
-use burn_cubecl::kernel::{cast, into_contiguous};
+use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 
 use bastile_cubecl::cross_entropy::{
@@ -11,7 +11,7 @@ use bastile_cubecl::cross_entropy::{
 };
 use bastile_cubecl::rows::Rows;
 
-use super::{as_rows, empty_like, row_alignment, rows_cols, stride_multiple};
+use super::{as_rows, contiguous_i32, empty_like, row_alignment, rows_cols, stride_multiple};
 use crate::kernels::kernel_dtype;
 use crate::ops::cross_entropy::LossSpec;
 
@@ -54,16 +54,6 @@ pub(super) fn problem(
         mode: CrossEntropyMode::Stats,
         row_scale: RowScale::None,
     }
-}
-
-/// Labels as contiguous i32, what the kernel reads.
-pub(super) fn labels_i32<R: CubeRuntime>(labels: CubeTensor<R>) -> CubeTensor<R> {
-    let labels = if labels.dtype == DType::I32 {
-        labels
-    } else {
-        cast(labels, DType::I32)
-    };
-    into_contiguous(labels)
 }
 
 /// One launch over `logits` (rows of the vocabulary). The gradient goes to
@@ -113,7 +103,7 @@ pub(super) fn forward<R: CubeRuntime>(
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     let (logits, rows) = as_rows(logits);
     let (n, vocab) = rows_cols(&logits.shape());
-    let labels = labels_i32(labels);
+    let labels = contiguous_i32(labels);
     let losses = f32_vector(&logits, n);
     let lse = f32_vector(&logits, n);
     let dtype = kernel_dtype(logits.dtype).expect("validated dtype");
@@ -144,7 +134,7 @@ pub(super) fn backward<R: CubeRuntime>(
     let in_place = logits.can_mut();
     let (logits, rows) = as_rows(logits);
     let (n, vocab) = rows_cols(&logits.shape());
-    let labels = labels_i32(labels);
+    let labels = contiguous_i32(labels);
     let lse = into_contiguous(lse);
     let dloss = into_contiguous(dloss);
     let (grad, grad_rows) = if in_place {

@@ -19,7 +19,8 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 
 use bastile_cubecl::cross_entropy::CrossEntropyMode;
 
-use super::cross_entropy::{Launch, labels_i32, problem};
+use super::contiguous_i32;
+use super::cross_entropy::{Launch, problem};
 use super::matmul::{matmul_blas, matmul_blas_accumulate};
 use super::{as_rows, empty_like, stride_multiple};
 use crate::kernels::kernel_dtype;
@@ -137,7 +138,7 @@ pub(super) fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElemen
     let b = bias.map(float::<R, F, I, BT, 1>);
     let [n, _] = h.dims();
     let [vocab, hidden_size] = w.dims();
-    let labels: Tensor<Cube<R, F, I, BT>, 1, Int> = Tensor::from_primitive(labels_i32(labels));
+    let labels: Tensor<Cube<R, F, I, BT>, 1, Int> = Tensor::from_primitive(contiguous_i32(labels));
     let chunk = chunk_rows(
         n,
         vocab,

@@ -15,7 +15,7 @@ mod swiglu;
 
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Device, Shape, TensorMetadata};
-use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::kernel::{cast, into_contiguous};
 use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
@@ -103,6 +103,17 @@ fn rows_cols(shape: &Shape) -> (usize, usize) {
 /// The gcd of `width` and every row stride: bounds the vector width.
 fn stride_multiple(width: usize, rows: &[&Rows]) -> usize {
     rows.iter().fold(width, |g, r| gcd(g, r.stride))
+}
+
+/// An int tensor (labels, key lengths) as contiguous i32, what the kernels
+/// read.
+fn contiguous_i32<R: CubeRuntime>(ints: CubeTensor<R>) -> CubeTensor<R> {
+    let ints = if ints.dtype == DType::I32 {
+        ints
+    } else {
+        cast(ints, DType::I32)
+    };
+    into_contiguous(ints)
 }
 
 fn empty_like<R: CubeRuntime>(x: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
