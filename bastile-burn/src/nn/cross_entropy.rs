@@ -82,6 +82,12 @@ impl<B: BastileBackend> CrossEntropyLoss<B> {
     ///
     /// Panics with a descriptive message on bad shapes or labels;
     /// [`CrossEntropyLoss::try_forward`] returns the error instead.
+    ///
+    /// # Shapes
+    ///
+    /// - `logits`: `[N, C]`
+    /// - `targets`: `[N]`
+    /// - output: `[1]`
     pub fn forward(&self, logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> Tensor<B, 1> {
         self.try_forward(logits, targets)
             .unwrap_or_else(|e| panic!("{e}"))

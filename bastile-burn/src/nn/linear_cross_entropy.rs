@@ -58,6 +58,12 @@ pub struct LinearCrossEntropyLoss {
 impl LinearCrossEntropyLoss {
     /// The loss of `hidden` `[batch, seq, H]` against `labels`
     /// `[batch, seq]` (already shifted), with the head's `weight` `[V, H]`.
+    ///
+    /// # Shapes
+    ///
+    /// - `hidden`: `[batch, seq, H]`
+    /// - `weight`: `[V, H]`; `labels`: `[batch, seq]`
+    /// - output: [`CrossEntropyOutput`](crate::CrossEntropyOutput), its `loss` `[1]` (`Mean`, `Sum`) or `[batch · seq]` (`None`)
     pub fn forward<B: BastileBackend>(
         &self,
         hidden: Tensor<B, 3>,
@@ -82,6 +88,12 @@ impl LinearCrossEntropyLoss {
 
     /// [`LinearCrossEntropyLoss::forward`] on flattened tokens: `hidden`
     /// `[N, H]`, `labels` `[N]`.
+    ///
+    /// # Shapes
+    ///
+    /// - `hidden`: `[N, H]`
+    /// - `weight`: `[V, H]`; `labels`: `[N]`
+    /// - output: as [`LinearCrossEntropyLoss::forward`]'s
     pub fn forward_flat<B: BastileBackend>(
         &self,
         hidden: Tensor<B, 2>,

@@ -69,6 +69,11 @@ impl<B: BastileBackend> RmsNorm<B> {
     ///
     /// Panics with a descriptive message on a shape or dtype mismatch;
     /// [`RmsNorm::try_forward`] returns the error instead.
+    ///
+    /// # Shapes
+    ///
+    /// - `x`: `[..., hidden]`
+    /// - output: `[..., hidden]`
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         self.try_forward(x).unwrap_or_else(|e| panic!("{e}"))
     }

@@ -87,6 +87,11 @@ impl<B: BastileBackend> RotaryEncoding<B> {
     }
 
     /// burn-nn's call: rotates `x` (`[..., seq, d_model]`) from position 0.
+    ///
+    /// # Shapes
+    ///
+    /// - `x`: `[..., seq, d_model]`
+    /// - output: the shape of `x`
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         self.apply(x, 0)
     }
@@ -119,6 +124,12 @@ impl<B: BastileBackend> RotaryEncoding<B> {
     }
 
     /// Rotates q and k together (one launch) from position `offset`.
+    ///
+    /// # Shapes
+    ///
+    /// - `q`: `[batch, q_heads, seq, head_dim]` or `[batch, seq, q_heads, head_dim]`, per `layout`
+    /// - `k`: the same with `k_heads`
+    /// - output: `(q, k)` in the shapes given
     pub fn forward_qk(
         &self,
         q: Tensor<B, 4>,
@@ -131,6 +142,12 @@ impl<B: BastileBackend> RotaryEncoding<B> {
 
     /// Rotates q and k by explicit `position_ids` (`[batch, seq]`), e.g.
     /// packed sequences that restart at 0.
+    ///
+    /// # Shapes
+    ///
+    /// - `q`, `k`: as [`RotaryEncoding::forward_qk`]
+    /// - `position_ids`: `[batch, seq]`
+    /// - output: `(q, k)` in the shapes given
     pub fn forward_qk_positions(
         &self,
         q: Tensor<B, 4>,

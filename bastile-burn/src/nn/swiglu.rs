@@ -54,6 +54,10 @@ pub struct SwiGlu<B: Backend> {
 }
 
 impl<B: BastileBackend> SwiGlu<B> {
+    /// # Shapes
+    ///
+    /// - `input`: `[..., d_input]`
+    /// - output: `[..., d_output]`
     pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
         fused(
             self.linear_inner.forward(input.clone()),
@@ -92,6 +96,10 @@ pub struct SwiGluMlp<B: Backend> {
 }
 
 impl<B: BastileBackend> SwiGluMlp<B> {
+    /// # Shapes
+    ///
+    /// - `x`: `[..., hidden]`
+    /// - output: `[..., hidden]`
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let h = fused(self.gate_proj.forward(x.clone()), self.up_proj.forward(x));
         self.down_proj.forward(h)

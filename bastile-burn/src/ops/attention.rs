@@ -177,6 +177,13 @@ pub struct AttentionGrads<T> {
 /// Errors on ranks/shapes that do not fit together, a head count not a
 /// multiple of the key/value heads, a zero window, a non-finite or
 /// non-positive scale, non-float inputs, or tensors on different devices.
+///
+/// # Shapes
+///
+/// - `q`: `[batch, heads, seq_q, head_dim]`
+/// - `k`, `v`: `[batch, kv_heads, seq_k, head_dim]`, `heads` a multiple of `kv_heads`
+/// - `sinks`: `[heads]`; `key_lengths`: `[batch]`
+/// - output: `[batch, heads, seq_q, head_dim]`
 pub fn attention<B: BastileBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,

@@ -420,6 +420,12 @@ pub(crate) fn reduce<B: Backend>(rows: Tensor<B, 1>, spec: &LossSpec) -> Tensor<
 /// options, and labels outside `[0, V)` that are not the ignore index (the
 /// labels are read once to check them and to count the tokens, unless
 /// [`CrossEntropyOptions::defer_label_check`] hands the check back).
+///
+/// # Shapes
+///
+/// - `logits`: `[N, V]`
+/// - `labels`: `[N]`
+/// - output: [`CrossEntropyOutput`], its `loss` `[1]` (`Mean`, `Sum`) or `[N]` (`None`), its `lse` `[N]`
 pub fn cross_entropy<B: BastileBackend>(
     logits: Tensor<B, 2>,
     labels: Tensor<B, 1, Int>,

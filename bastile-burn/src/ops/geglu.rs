@@ -29,6 +29,11 @@ pub const GEGLU_OSS_LIMIT: f64 = 7.0;
 ///
 /// Errors when the last dimension is odd, the dtype is not floating point,
 /// `alpha` is not finite or `limit` is negative or not finite.
+///
+/// # Shapes
+///
+/// - `gate_up`: `[..., 2·d]`, gate and up interleaved (`gate_up[..., 2i]` the gate, `gate_up[..., 2i + 1]` the up projection)
+/// - output: `[..., d]`
 pub fn geglu_oss<B: BastileBackend, const D: usize>(
     gate_up: Tensor<B, D>,
     alpha: f64,

@@ -69,6 +69,13 @@ impl<T> LinearGrads<T> {
 /// labels outside `[0, V)` that are not the ignore index (the labels are
 /// read once to check them and to count the tokens, unless
 /// [`CrossEntropyOptions::defer_label_check`] hands the check back).
+///
+/// # Shapes
+///
+/// - `hidden`: `[N, H]`
+/// - `weight`: `[V, H]`; `bias`: `[V]`
+/// - `labels`: `[N]`
+/// - output: [`CrossEntropyOutput`], its `loss` `[1]` (`Mean`, `Sum`) or `[N]` (`None`), its `lse` `[N]`
 pub fn fused_linear_cross_entropy<B: BastileBackend>(
     hidden: Tensor<B, 2>,
     weight: Tensor<B, 2>,

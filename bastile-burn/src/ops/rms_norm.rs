@@ -22,6 +22,12 @@ use crate::{BastileBackend, BastileError, RmsNormCast};
 /// Errors when `gamma` does not match the last dimension of `x`, when the
 /// dtypes differ or are not floating point, when the tensors are on
 /// different devices, or when `eps` is not a positive finite number.
+///
+/// # Shapes
+///
+/// - `x`: `[..., hidden]`
+/// - `gamma`: `[hidden]`
+/// - output: `[..., hidden]`
 pub fn rms_norm<B: BastileBackend, const D: usize>(
     x: Tensor<B, D>,
     gamma: Tensor<B, 1>,

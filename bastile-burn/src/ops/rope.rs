@@ -151,6 +151,12 @@ impl<B: Backend> RopeTables<B> {
 /// head_dim does not match the tables, when the positions exceed the
 /// tables, on per-sequence tables of the wrong batch, or on dtype/device
 /// mismatches.
+///
+/// # Shapes
+///
+/// - `q`: `[batch, q_heads, seq, head_dim]` (`RopeLayout::Bhsd`) or `[batch, seq, q_heads, head_dim]` (`RopeLayout::Bshd`)
+/// - `k`: the same with `k_heads`
+/// - output: `(q, k)`, rotated, in the shapes given
 pub fn rope<B: BastileBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -169,6 +175,11 @@ pub fn rope<B: BastileBackend>(
 }
 
 /// Rotates one tensor (see [`rope`]).
+///
+/// # Shapes
+///
+/// - `x`: `[batch, heads, seq, head_dim]` or `[batch, seq, heads, head_dim]`, per `options.layout`
+/// - output: the shape of `x`
 pub fn rope_one<B: BastileBackend>(
     x: Tensor<B, 4>,
     tables: &RopeTables<B>,

@@ -50,6 +50,11 @@ impl<T> GluTensors<T> {
 ///
 /// Errors when the shapes, dtypes or devices differ or the dtype is not
 /// floating point.
+///
+/// # Shapes
+///
+/// - `gate`, `up`: `[..., d]`
+/// - output: `[..., d]`
 pub fn swiglu<B: BastileBackend, const D: usize>(
     gate: Tensor<B, D>,
     up: Tensor<B, D>,
@@ -81,6 +86,11 @@ pub fn swiglu<B: BastileBackend, const D: usize>(
 /// half then the up half; the output's last dimension is half as wide.
 ///
 /// Errors when the last dimension is odd or the dtype is not floating point.
+///
+/// # Shapes
+///
+/// - `gate_up`: `[..., 2·d]`, the gate half first
+/// - output: `[..., d]`
 pub fn swiglu_packed<B: BastileBackend, const D: usize>(
     gate_up: Tensor<B, D>,
 ) -> Result<Tensor<B, D>, BastileError> {
