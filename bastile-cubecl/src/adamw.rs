@@ -108,7 +108,7 @@ impl AdamWStep {
 }
 
 /// One parameter's update: `len` elements in contiguous buffers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamWProblem {
     pub len: usize,
     pub param: FloatDtype,
@@ -266,9 +266,10 @@ fn scalars<R: Runtime>(values: &[usize]) -> SequenceArg<R, usize> {
 }
 
 fn tensors<R: Runtime, T: CubePrimitive>(
-    views: impl Iterator<Item = (Handle, usize)>,
+    views: impl IntoIterator<Item = (Handle, usize)>,
 ) -> SequenceArg<R, Tensor<T>> {
     views
+        .into_iter()
         .map(|(handle, len)| unsafe {
             TensorArg::<R>::from_raw_parts(handle, [1].into(), [len].into())
         })
@@ -351,10 +352,11 @@ fn adamw_kernel<P: Float, G: Float, M: Float, N: Size>(
                         let g = Vector::<f32, N>::cast_from(grad[i]) * Vector::new(scale);
                         let m = b1 * Vector::cast_from(moment1[i]) + k1 * g;
                         let v = b2 * Vector::cast_from(moment2[i]) + k2 * g * g;
-                        let mut p = Vector::<f32, N>::cast_from(param[i]);
-                        if comptime![cfg.master] {
-                            p = master.index(t)[i];
-                        }
+                        let p = if comptime![cfg.master] {
+                            master.index(t)[i]
+                        } else {
+                            Vector::<f32, N>::cast_from(param[i])
+                        };
                         let m_hat = m / Vector::new(bias1);
                         let v_hat = v / Vector::new(bias2);
                         let step = m_hat / (v_hat.sqrt() + Vector::new(epsilon));
@@ -438,11 +440,11 @@ pub fn update<R: Runtime>(
                 launch::cube_count(client, *firsts.last().unwrap())?,
                 tile.cube_dim(),
                 v,
-                tensors(view(&|b| b.param.clone()).into_iter()),
-                tensors(view(&|b| b.grad.clone()).into_iter()),
-                tensors(view(&|b| b.moment1.clone()).into_iter()),
-                tensors(view(&|b| b.moment2.clone()).into_iter()),
-                tensors(masters.into_iter()),
+                tensors(view(&|b| b.param.clone())),
+                tensors(view(&|b| b.grad.clone())),
+                tensors(view(&|b| b.moment1.clone())),
+                tensors(view(&|b| b.moment2.clone())),
+                tensors(masters),
                 TensorArg::from_raw_parts(clip.unwrap_or(&dummy).clone(), [1].into(), [2].into()),
                 scalars(&firsts),
                 scalars(&vector_counts),

@@ -44,7 +44,7 @@ use burn::optim::{GradientsParams, LearningRate, MultiGradientsParams, Optimizer
 use burn::record::Record;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Bool, DType, Tensor};
+use burn::tensor::{Bool, DType, Tensor, TensorMetadata};
 // Burn implements `Record` for hashbrown's map.
 use hashbrown::HashMap;
 
@@ -53,7 +53,6 @@ use crate::ops::float;
 use crate::{BastileBackend, BastileError};
 
 mod walk;
-use burn::tensor::TensorMetadata;
 use walk::{Gather, Put, Take};
 
 /// The dtype the moments are kept in.

@@ -7,15 +7,14 @@ use core::any::Any;
 use burn::module::{ModuleMapper, ModuleVisitor, Param, ParamId, ParamMapper};
 use burn::optim::{GradientsParams, MultiGradientsParams};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::ops::{FloatTensor, FloatTensorOps};
-use burn::tensor::{Shape, Tensor, TensorMetadata, TensorPrimitive};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Shape, Tensor, TensorPrimitive};
 // Burn implements `Record` for hashbrown's map.
 use hashbrown::HashMap;
 
 /// What a parameter goes back to its module with, besides its new value.
 pub(super) struct TakenParam {
     pub(super) id: ParamId,
-    dims: Vec<usize>,
     require_grad: bool,
     /// The parameter's `ParamMapper<Tensor<B, D>>`, for its rank `D`.
     mapper: Box<dyn Any + Send>,
@@ -52,7 +51,6 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Take<'_, B> {
         self.taken.push(Taken {
             param: TakenParam {
                 id,
-                dims: dims.to_vec(),
                 require_grad,
                 mapper: Box::new(mapper),
             },
@@ -84,14 +82,7 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Put<B> {
             .mapper
             .downcast::<ParamMapper<Tensor<B, D>>>()
             .expect("a parameter keeps its rank through the step");
-        let shape = Shape::from(taken.dims);
-        // The fused update keeps the shape; the composite one gives it back
-        // flat.
-        let weights = if weights.shape() == shape {
-            weights
-        } else {
-            B::InnerBackend::float_reshape(weights, shape)
-        };
+        // The update gives each parameter back in its own shape.
         let weights = Tensor::<B::InnerBackend, D>::from_primitive(TensorPrimitive::Float(weights));
         let mut tensor = Tensor::from_inner(weights);
         if taken.require_grad {
