@@ -32,7 +32,7 @@
 //!   is the fused backward kernel.
 //! * The fused ops, each with a checked entry point: [`rms_norm`],
 //!   [`swiglu`] / [`swiglu_packed`], [`geglu_oss`] (GPT-OSS experts),
-//!   [`rope`] / [`rope_one`] with [`RopeTables`], [`fused_linear_cross_entropy`]
+//!   [`rope`] / [`rope_one`] with [`RopeTables`], [`linear_cross_entropy`]
 //!   (the LM head and its loss without materialized logits) and
 //!   [`cross_entropy`] on given logits, with [`CrossEntropyOptions`].
 //! * [`apply`], [`reset`], [`patched_ops`] switch ops on and off at run time;
@@ -46,8 +46,8 @@ pub struct ReadmeDoctests;
 
 mod backend;
 mod error;
+pub mod fused;
 pub mod kernel_cache;
-pub mod kernels;
 pub mod nn;
 pub mod ops;
 pub mod optim;
@@ -56,7 +56,7 @@ mod patches;
 pub use backend::Bastile;
 pub use bastile_cubecl::rms_norm::RmsNormCast;
 pub use error::BastileError;
-pub use ops::BastileBackend;
+pub use fused::BastileBackend;
 pub use ops::attention::{
     AttentionKernels, AttentionOptions, attention, attention_kernels, set_attention_kernels,
 };
@@ -64,7 +64,7 @@ pub use ops::cross_entropy::{
     CrossEntropyOptions, CrossEntropyOutput, LabelCheck, Reduction, cross_entropy,
 };
 pub use ops::geglu::geglu_oss;
-pub use ops::linear_cross_entropy::{LinearGrads, fused_linear_cross_entropy};
+pub use ops::linear_cross_entropy::{LinearGrads, linear_cross_entropy};
 pub use ops::rms_norm::rms_norm;
 pub use ops::rope::{RopeLayout, RopeOptions, RopePairing, RopeTables, rope, rope_one};
 pub use ops::swiglu::{GluTensors, swiglu, swiglu_packed};
@@ -96,8 +96,7 @@ pub fn matmul_host_sync(force: bool) {
 /// next call of each op tunes again (CubeCL's on-disk cache is kept).
 pub fn clear_autotune_cache() {
     bastile_cubecl::rms_norm::clear_autotune();
-    bastile_cubecl::swiglu::clear_autotune();
-    bastile_cubecl::geglu::clear_autotune();
+    bastile_cubecl::glu::clear_autotune();
     bastile_cubecl::rope::clear_autotune();
     bastile_cubecl::cross_entropy::clear_autotune();
 }

@@ -13,7 +13,7 @@ pub enum Op {
     Geglu,
     Rope,
     CrossEntropy,
-    FusedLinearCrossEntropy,
+    LinearCrossEntropy,
     /// Matmul and `linear` through the vendor BLAS (cuBLASLt on CUDA).
     Matmul,
     /// Flash-style attention (forward and backward).
@@ -28,7 +28,7 @@ impl Op {
         Op::Geglu,
         Op::Rope,
         Op::CrossEntropy,
-        Op::FusedLinearCrossEntropy,
+        Op::LinearCrossEntropy,
         Op::Matmul,
         Op::Attention,
     ];
@@ -45,7 +45,7 @@ impl Op {
             Op::Geglu => "geglu",
             Op::Rope => "rope",
             Op::CrossEntropy => "cross_entropy",
-            Op::FusedLinearCrossEntropy => "fused_linear_cross_entropy",
+            Op::LinearCrossEntropy => "linear_cross_entropy",
             Op::Matmul => "matmul",
             Op::Attention => "attention",
         }
@@ -69,7 +69,7 @@ pub struct Patches {
     /// Cross-entropy on given logits.
     pub cross_entropy: bool,
     /// Linear layer + cross-entropy without materialized logits.
-    pub fused_linear_cross_entropy: bool,
+    pub linear_cross_entropy: bool,
     /// Matmul and `linear` on cuBLASLt (CUDA; elsewhere the inner
     /// backend's matmul either way).
     pub matmul: bool,
@@ -96,7 +96,7 @@ impl Patches {
             geglu: on,
             rope: on,
             cross_entropy: on,
-            fused_linear_cross_entropy: on,
+            linear_cross_entropy: on,
             matmul: on,
             attention: on,
         }
@@ -109,7 +109,7 @@ impl Patches {
             (self.geglu, Op::Geglu),
             (self.rope, Op::Rope),
             (self.cross_entropy, Op::CrossEntropy),
-            (self.fused_linear_cross_entropy, Op::FusedLinearCrossEntropy),
+            (self.linear_cross_entropy, Op::LinearCrossEntropy),
             (self.matmul, Op::Matmul),
             (self.attention, Op::Attention),
         ]

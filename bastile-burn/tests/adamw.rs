@@ -328,13 +328,8 @@ where
     assert_eq!(read(&w), expected, "{name} {dtype:?}: after a skipped step");
 }
 
-struct Steps;
-
-impl BackendTest for Steps {
-    fn run<B>(&self, device: &B::Device, name: &str, dtypes: &[DType])
-    where
-        B: bastile::ops::KernelBackend + BastileBackend,
-    {
+backend_test! {
+    fn fused_adamw_follows_the_reference_and_burns_adamw<B>(device, name, dtypes) {
         let mut rng = Rng::fresh();
         let fused = format!("{name}, fused");
         f32_steps::<Autodiff<Bastile<B>>>(&fused, device, &mut rng);
@@ -350,11 +345,6 @@ impl BackendTest for Steps {
             skips_on_flag::<Autodiff<Bastile<B>>>(&fused, dtype, device, &mut rng);
         }
     }
-}
-
-#[test]
-fn fused_adamw_follows_the_reference_and_burns_adamw() {
-    for_each_backend(&Steps);
 }
 
 #[test]

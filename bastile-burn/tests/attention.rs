@@ -140,7 +140,15 @@ fn check<B: BastileBackend + bastile::ops::KernelBackend>(
         window: c.window,
     };
     assert!(
-        <Bastile<B> as BastileBackend>::attention_fused(device, &dims, dtype, &resolved),
+        bastile::fused::is_fused::<Bastile<B>, _>(
+            &bastile::ops::attention::Attention { spec: resolved },
+            device,
+            &bastile::ops::attention::AttentionQuery {
+                dims,
+                dtype,
+                spec: resolved
+            }
+        ),
         "{name}: the kernels must take {c:?}"
     );
     let tol = tolerance(kdtype(dtype)) * if dtype == DType::F32 { 4.0 } else { 1.0 };
@@ -174,13 +182,8 @@ fn check<B: BastileBackend + bastile::ops::KernelBackend>(
     }
 }
 
-struct AutodiffMatches;
-
-impl BackendTest for AutodiffMatches {
-    fn run<B>(&self, device: &B::Device, name: &str, dtypes: &[DType])
-    where
-        B: bastile::ops::KernelBackend + BastileBackend,
-    {
+backend_test! {
+    fn attention_fused_and_composite_match_reference_under_autodiff<B>(device, name, dtypes) {
         // Every size takes the fused kernels here.
         bastile::ops::attention::set_fused_from(0);
         let mut rng = Rng::fresh();
@@ -252,18 +255,8 @@ impl BackendTest for AutodiffMatches {
     }
 }
 
-#[test]
-fn attention_fused_and_composite_match_reference_under_autodiff() {
-    for_each_backend(&AutodiffMatches);
-}
-
-struct ModuleOps;
-
-impl BackendTest for ModuleOps {
-    fn run<B>(&self, device: &B::Device, name: &str, _dtypes: &[DType])
-    where
-        B: bastile::ops::KernelBackend + BastileBackend,
-    {
+backend_test! {
+    fn burn_module_attention_on_bastile_matches_reference<B>(device, name, _dtypes) {
         bastile::ops::attention::set_fused_from(0);
         let mut rng = Rng::fresh();
         let dims = [2, 3, 21, 64];
@@ -305,94 +298,46 @@ impl BackendTest for ModuleOps {
 }
 
 #[test]
-fn burn_module_attention_on_bastile_matches_reference() {
-    for_each_backend(&ModuleOps);
-}
-
-#[test]
 fn attention_rejects_bad_input() {
     type B = Bastile<burn::backend::NdArray>;
     let device = Default::default();
     let t = |dims: [usize; 4]| Tensor::<B, 4>::zeros(dims, &device);
+    // Query, key and value dims, the sinks' and key lengths' lengths.
+    let call = |[q, k, v]: [[usize; 4]; 3],
+                sinks: Option<usize>,
+                lengths: Option<usize>,
+                options: AttentionOptions| {
+        let sinks = sinks.map(|n| Tensor::<B, 1>::zeros([n], &device));
+        let lengths = lengths.map(|n| Tensor::<B, 1, Int>::zeros([n], &device));
+        attention(t(q), t(k), t(v), sinks, lengths, options)
+    };
     let ok = AttentionOptions::default();
+    let good = [1, 2, 4, 8];
     let shape_err =
         |r: Result<Tensor<B, 4>, BastileError>| matches!(r, Err(BastileError::Shape(_)));
     // Heads not a multiple of the kv heads; head dims that differ; values
     // unlike keys; empty sequences; sinks of the wrong length.
-    assert!(shape_err(attention(
-        t([1, 3, 4, 8]),
-        t([1, 2, 4, 8]),
-        t([1, 2, 4, 8]),
+    assert!(shape_err(call([[1, 3, 4, 8], good, good], None, None, ok)));
+    assert!(shape_err(call(
+        [good, [1, 2, 4, 4], [1, 2, 4, 4]],
         None,
         None,
         ok
     )));
-    assert!(shape_err(attention(
-        t([1, 2, 4, 8]),
-        t([1, 2, 4, 4]),
-        t([1, 2, 4, 4]),
-        None,
-        None,
-        ok
-    )));
-    assert!(shape_err(attention(
-        t([1, 2, 4, 8]),
-        t([1, 2, 4, 8]),
-        t([1, 2, 5, 8]),
-        None,
-        None,
-        ok
-    )));
-    assert!(shape_err(attention(
-        t([1, 2, 0, 8]),
-        t([1, 2, 4, 8]),
-        t([1, 2, 4, 8]),
-        None,
-        None,
-        ok
-    )));
-    let sinks = Some(Tensor::<B, 1>::zeros([3], &device));
-    assert!(shape_err(attention(
-        t([1, 2, 4, 8]),
-        t([1, 2, 4, 8]),
-        t([1, 2, 4, 8]),
-        sinks,
-        None,
-        ok
-    )));
-    let lengths = Some(Tensor::<B, 1, Int>::zeros([2], &device));
-    assert!(shape_err(attention(
-        t([1, 2, 4, 8]),
-        t([1, 2, 4, 8]),
-        t([1, 2, 4, 8]),
-        None,
-        lengths,
-        ok
-    )));
+    assert!(shape_err(call([good, good, [1, 2, 5, 8]], None, None, ok)));
+    assert!(shape_err(call([[1, 2, 0, 8], good, good], None, None, ok)));
+    assert!(shape_err(call([good; 3], Some(3), None, ok)));
+    assert!(shape_err(call([good; 3], None, Some(2), ok)));
     let config_err =
         |r: Result<Tensor<B, 4>, BastileError>| matches!(r, Err(BastileError::Config(_)));
     let zero_window = AttentionOptions {
         window: Some(0),
         ..ok
     };
-    assert!(config_err(attention(
-        t([1, 2, 4, 8]),
-        t([1, 2, 4, 8]),
-        t([1, 2, 4, 8]),
-        None,
-        None,
-        zero_window
-    )));
+    assert!(config_err(call([good; 3], None, None, zero_window)));
     let bad_scale = AttentionOptions {
         scale: Some(f64::NAN),
         ..ok
     };
-    assert!(config_err(attention(
-        t([1, 2, 4, 8]),
-        t([1, 2, 4, 8]),
-        t([1, 2, 4, 8]),
-        None,
-        None,
-        bad_scale
-    )));
+    assert!(config_err(call([good; 3], None, None, bad_scale)));
 }

@@ -7,7 +7,7 @@ use crate::common::*;
 use bastile::nn::{CrossEntropyLossConfig, LinearCrossEntropyLossConfig};
 use bastile::{
     Bastile, BastileBackend, BastileError, CrossEntropyOptions, Reduction, cross_entropy,
-    fused_linear_cross_entropy,
+    linear_cross_entropy,
 };
 use bastile_cubecl::reference::cross_entropy::{self as reference, Options};
 use bastile_cubecl::testing::{Rng, assert_close, assert_close_to_magnitude, round_to};
@@ -171,7 +171,7 @@ fn run_linear<X: BastileBackend>(
     let b = s
         .bias
         .then(|| tensor::<A<X>, 1>(&x.bias, [s.v], dtype, device).require_grad());
-    let out = fused_linear_cross_entropy(
+    let out = linear_cross_entropy(
         h.clone(),
         w.clone(),
         b.clone(),
@@ -230,14 +230,9 @@ fn compare(what: &str, got: &Results, exp: &Results, tol: f64, seed: u64) {
     }
 }
 
-/// Every option and reduction, fused and composite, against the reference.
-struct LinearMatchesReference;
-
-impl BackendTest for LinearMatchesReference {
-    fn run<B>(&self, device: &B::Device, name: &str, dtypes: &[DType])
-    where
-        B: bastile::ops::KernelBackend + BastileBackend,
-    {
+backend_test! {
+    /// Every option and reduction, fused and composite, against the reference.
+    fn fused_linear_cross_entropy_matches_reference_for_every_option<B>(device, name, dtypes) {
         let mut rng = Rng::fresh();
         let seed = rng.seed();
         let base = CrossEntropyOptions::default().with_chunk_size(16);
@@ -261,8 +256,12 @@ impl BackendTest for LinearMatchesReference {
             ),
         ];
         for (d, &dtype) in dtypes.iter().enumerate() {
-            assert!(<Bastile<B> as BastileBackend>::linear_cross_entropy_fused(
-                device, dtype
+            let op = bastile::ops::linear_cross_entropy::LinearCrossEntropy {
+                spec: bastile::ops::cross_entropy::LossSpec::probe(),
+            };
+            let query = bastile::ops::cross_entropy::CrossEntropyQuery { dtype };
+            assert!(bastile::fused::is_fused::<Bastile<B>, _>(
+                &op, device, &query
             ));
             for (i, &(o, bias, every)) in cases.iter().enumerate() {
                 if !takes_turn(name, i, d, dtypes.len()) {
@@ -291,20 +290,10 @@ impl BackendTest for LinearMatchesReference {
     }
 }
 
-#[test]
-fn fused_linear_cross_entropy_matches_reference_for_every_option() {
-    for_each_backend(&LinearMatchesReference);
-}
-
-/// Model-sized vocabularies with an uneven last chunk, and every token
-/// ignored (loss 0, zero gradients, no NaN).
-struct VocabulariesAndIgnored;
-
-impl BackendTest for VocabulariesAndIgnored {
-    fn run<B>(&self, device: &B::Device, name: &str, dtypes: &[DType])
-    where
-        B: bastile::ops::KernelBackend + BastileBackend,
-    {
+backend_test! {
+    /// Model-sized vocabularies with an uneven last chunk, and every token
+    /// ignored (loss 0, zero gradients, no NaN).
+    fn fused_linear_cross_entropy_handles_large_vocabularies_and_all_ignored<B>(device, name, dtypes) {
         let mut rng = Rng::fresh();
         let seed = rng.seed();
         for (d, &dtype) in dtypes.iter().enumerate() {
@@ -380,20 +369,10 @@ impl BackendTest for VocabulariesAndIgnored {
     }
 }
 
-#[test]
-fn fused_linear_cross_entropy_handles_large_vocabularies_and_all_ignored() {
-    for_each_backend(&VocabulariesAndIgnored);
-}
-
-/// Cross-entropy on given logits, fused and composite, against the
-/// reference: loss, lse and the logits gradient.
-struct LogitsMatchReference;
-
-impl BackendTest for LogitsMatchReference {
-    fn run<B>(&self, device: &B::Device, name: &str, dtypes: &[DType])
-    where
-        B: bastile::ops::KernelBackend + BastileBackend,
-    {
+backend_test! {
+    /// Cross-entropy on given logits, fused and composite, against the
+    /// reference: loss, lse and the logits gradient.
+    fn cross_entropy_on_logits_matches_reference<B>(device, name, dtypes) {
         let mut rng = Rng::fresh();
         let seed = rng.seed();
         for (d, &dtype) in dtypes.iter().enumerate() {
@@ -496,21 +475,11 @@ impl BackendTest for LogitsMatchReference {
     }
 }
 
-#[test]
-fn cross_entropy_on_logits_matches_reference() {
-    for_each_backend(&LogitsMatchReference);
-}
-
-/// The drop-in loss against `burn::nn::loss::CrossEntropyLoss` (Burn's
-/// semantics: padding rows count 0 in a mean over all rows), and the
-/// linear module against the function.
-struct Wrappers;
-
-impl BackendTest for Wrappers {
-    fn run<B>(&self, device: &B::Device, name: &str, _dtypes: &[DType])
-    where
-        B: bastile::ops::KernelBackend + BastileBackend,
-    {
+backend_test! {
+    /// The drop-in loss against `burn::nn::loss::CrossEntropyLoss` (Burn's
+    /// semantics: padding rows count 0 in a mean over all rows), and the
+    /// linear module against the function.
+    fn drop_in_and_module_wrappers_match<B>(device, name, _dtypes) {
         type A<X> = Autodiff<X>;
         let mut rng = Rng::fresh();
         let seed = rng.seed();
@@ -570,7 +539,7 @@ impl BackendTest for Wrappers {
         let module = loss
             .forward(x3.clone(), w.clone(), None, l2.clone())
             .unwrap();
-        let flat = fused_linear_cross_entropy(
+        let flat = linear_cross_entropy(
             x3.reshape([b * s, h]),
             w,
             None,
@@ -585,11 +554,6 @@ impl BackendTest for Wrappers {
 }
 
 #[test]
-fn drop_in_and_module_wrappers_match() {
-    for_each_backend(&Wrappers);
-}
-
-#[test]
 fn bad_inputs_are_descriptive_errors() {
     type B = Bastile<burn::backend::NdArray>;
     let device = Default::default();
@@ -599,7 +563,7 @@ fn bad_inputs_are_descriptive_errors() {
         Tensor::<B, 1, Int>::from_data(TensorData::new(v.clone(), [v.len()]), &device)
     };
     let run = |h: Tensor<B, 2>, w: Tensor<B, 2>, l: Tensor<B, 1, Int>, o| {
-        fused_linear_cross_entropy(h, w, None, l, o).map(|_| ())
+        linear_cross_entropy(h, w, None, l, o).map(|_| ())
     };
     let ok = CrossEntropyOptions::default();
     let err = run(h.clone(), w.clone(), labels(vec![0, 1, 10, 2]), ok).unwrap_err();
@@ -639,7 +603,7 @@ fn bad_inputs_are_descriptive_errors() {
         assert!(matches!(err, BastileError::Config(_)), "{bad:?}: {err}");
     }
     // The ignore index may be any value, a class id included.
-    let out = fused_linear_cross_entropy(
+    let out = linear_cross_entropy(
         h.clone(),
         w.clone(),
         None,
@@ -651,7 +615,7 @@ fn bad_inputs_are_descriptive_errors() {
     // Deferred: nothing is read, the loss skips the bad label, and the
     // check reports it when read.
     let deferred = ok.with_deferred_label_check();
-    let out = fused_linear_cross_entropy(
+    let out = linear_cross_entropy(
         h.clone(),
         w.clone(),
         None,
@@ -674,7 +638,7 @@ fn bad_inputs_are_descriptive_errors() {
     )
     .unwrap_err();
     assert!(matches!(err, BastileError::Shape(_)), "{err}");
-    let err = fused_linear_cross_entropy(
+    let err = linear_cross_entropy(
         h,
         w,
         Some(Tensor::zeros([9], &device)),

@@ -26,19 +26,19 @@ fn run<X: BastileBackend>(
     (values(out.inner()), values(xt.grad(&grads).expect("grad")))
 }
 
-struct AutodiffMatches;
-
-impl BackendTest for AutodiffMatches {
-    fn run<B>(&self, device: &B::Device, name: &str, dtypes: &[DType])
-    where
-        B: bastile::ops::KernelBackend + BastileBackend,
-    {
+backend_test! {
+    fn geglu_fused_and_composite_match_reference_under_autodiff<B>(device, name, dtypes) {
         let mut rng = Rng::fresh();
         let seed = rng.seed();
         let limit = GEGLU_OSS_LIMIT;
         for &dtype in dtypes {
-            assert!(<Bastile<B> as BastileBackend>::geglu_oss_fused(
-                device, dtype
+            let op = bastile::ops::geglu::GegluOss {
+                alpha: bastile::ops::geglu::GEGLU_OSS_ALPHA,
+                limit,
+            };
+            let query = bastile::fused::DTypeQuery { dtype };
+            assert!(bastile::fused::is_fused::<Bastile<B>, _>(
+                &op, device, &query
             ));
             for (rows, inter) in [(1usize, 1usize), (3, 37), (17, 2880)] {
                 let mut x = randn(&mut rng, rows * 2 * inter, 0.0, 5.0, dtype);
@@ -97,11 +97,6 @@ impl BackendTest for AutodiffMatches {
             }
         }
     }
-}
-
-#[test]
-fn geglu_fused_and_composite_match_reference_under_autodiff() {
-    for_each_backend(&AutodiffMatches);
 }
 
 #[test]

@@ -5,6 +5,7 @@ mod common;
 
 mod adamw;
 mod attention;
+mod checkpointing;
 mod cross_entropy;
 mod drop_in;
 mod geglu;

@@ -227,16 +227,11 @@ fn check_case<B: KernelBackend + BastileBackend>(
     eprintln!("{what}: {:.1} s", started.elapsed().as_secs_f64());
 }
 
-struct MatmulMatches;
-
 /// The layout-heavy cases (transposed views, batch broadcast both ways).
 const LAYOUT_CASES: std::ops::Range<usize> = 5..8;
 
-impl BackendTest for MatmulMatches {
-    fn run<B>(&self, device: &B::Device, name: &str, dtypes: &[DType])
-    where
-        B: KernelBackend + BastileBackend,
-    {
+backend_test! {
+    fn matmul_and_linear_match_reference_under_autodiff<B>(device, name, dtypes) {
         let cuda = name.starts_with("cuda");
         let mut rng = Rng::fresh();
         let seed = rng.seed();
@@ -252,7 +247,7 @@ impl BackendTest for MatmulMatches {
             // On CUDA the BLAS path must be there; elsewhere it must not
             // claim to be.
             assert_eq!(
-                B::matmul_supported(device, dtype),
+                B::ask(device, &bastile::fused::MatmulQuery { dtype }) == Some(true),
                 cuda,
                 "{name} {dtype:?}: BLAS path availability"
             );
@@ -367,11 +362,6 @@ fn tf32_is_opt_in<B: KernelBackend + BastileBackend>(rng: &mut Rng, device: &B::
         (error() - exact).abs() < 1e-9,
         "allow_tf32(false) did not restore f32"
     );
-}
-
-#[test]
-fn matmul_and_linear_match_reference_under_autodiff() {
-    for_each_backend(&MatmulMatches);
 }
 
 #[test]

@@ -72,13 +72,8 @@ where
     (losses, model)
 }
 
-struct SameTraining;
-
-impl BackendTest for SameTraining {
-    fn run<B>(&self, device: &B::Device, name: &str, _dtypes: &[DType])
-    where
-        B: bastile::ops::KernelBackend + BastileBackend,
-    {
+backend_test! {
+    fn model_trains_identically_with_and_without_bastile<B>(device, name, _dtypes) {
         let mut rng = Rng::fresh();
         let seed = rng.seed();
         let x = rng.normals(2 * 5 * 24, 0.0, 1.0);
@@ -128,9 +123,4 @@ impl BackendTest for SameTraining {
             seed,
         );
     }
-}
-
-#[test]
-fn model_trains_identically_with_and_without_bastile() {
-    for_each_backend(&SameTraining);
 }

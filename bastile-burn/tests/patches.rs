@@ -2,7 +2,9 @@
 //! tests of this binary expect every op on, so the checks run in a child
 //! process: the test binary started again on this one test alone.
 
-use bastile::{Bastile, BastileBackend, Op, Patches, apply, patched_ops, reset};
+use bastile::fused::is_fused;
+use bastile::ops::rms_norm::{RmsNorm, RmsNormQuery};
+use bastile::{Bastile, Op, Patches, apply, patched_ops, reset};
 use burn::backend::NdArray;
 use burn::tensor::DType;
 
@@ -80,39 +82,50 @@ fn switchboard_checks() {
             "geglu",
             "rope",
             "cross_entropy",
-            "fused_linear_cross_entropy",
+            "linear_cross_entropy",
             "matmul",
             "attention"
         ]
     );
     apply(Patches {
         cross_entropy: true,
-        fused_linear_cross_entropy: true,
+        linear_cross_entropy: true,
         ..Patches::none()
     });
     assert_eq!(
         patched_ops(),
-        vec![Op::CrossEntropy, Op::FusedLinearCrossEntropy]
+        vec![Op::CrossEntropy, Op::LinearCrossEntropy]
     );
 
     // NdArray has no kernels: never fused, whatever the switches say.
     apply(Patches::default());
-    assert!(!<Bastile<NdArray> as BastileBackend>::rms_norm_fused(
+    let rms_norm = |dtype| RmsNormQuery { hidden: 64, dtype };
+    let rms_norm_op = RmsNorm {
+        eps: 1e-6,
+        cast: bastile::RmsNormCast::Llama,
+    };
+    assert!(!is_fused::<Bastile<NdArray>, _>(
+        &rms_norm_op,
         &Default::default(),
-        64,
-        DType::F32
+        &rms_norm(DType::F32)
     ));
 
     #[cfg(feature = "wgpu")]
     if bastile_cubecl::testing::runtime_selected("wgpu", true) {
+        use bastile::fused::DTypeQuery;
         use bastile::nn::RmsNormConfig;
+        use bastile::ops::cross_entropy::{CrossEntropy, CrossEntropyQuery, LossSpec};
+        use bastile::ops::geglu::{GEGLU_OSS_ALPHA, GEGLU_OSS_LIMIT, GegluOss};
+        use bastile::ops::linear_cross_entropy::LinearCrossEntropy;
+        use bastile::ops::rope::Rope;
+        use bastile::ops::swiglu::SwiGlu;
         use burn::tensor::Tensor;
 
         let device = Default::default();
-        assert!(<Bastile<Gpu> as BastileBackend>::rms_norm_fused(
+        assert!(is_fused::<Bastile<Gpu>, _>(
+            &rms_norm_op,
             &device,
-            64,
-            DType::F32
+            &rms_norm(DType::F32)
         ));
         let norm = RmsNormConfig::new(64).init::<Bastile<Gpu>>(&device);
         let x = Tensor::<Bastile<Gpu>, 2>::random(
@@ -122,10 +135,10 @@ fn switchboard_checks() {
         );
         let fused = norm.forward(x.clone());
         reset();
-        assert!(!<Bastile<Gpu> as BastileBackend>::rms_norm_fused(
+        assert!(!is_fused::<Bastile<Gpu>, _>(
+            &rms_norm_op,
             &device,
-            64,
-            DType::F32
+            &rms_norm(DType::F32)
         ));
         let composite = norm.forward(x);
         let diff = (fused - composite).abs().max().into_scalar();
@@ -136,13 +149,24 @@ fn switchboard_checks() {
             swiglu: true,
             ..Patches::none()
         });
+        let geglu = GegluOss {
+            alpha: GEGLU_OSS_ALPHA,
+            limit: GEGLU_OSS_LIMIT,
+        };
+        let rope = Rope::default();
+        let ce = CrossEntropy {
+            spec: LossSpec::probe(),
+        };
+        let lce = LinearCrossEntropy {
+            spec: LossSpec::probe(),
+        };
         let fused = |d| {
             [
-                <Bastile<Gpu> as BastileBackend>::swiglu_fused(&device, d),
-                <Bastile<Gpu> as BastileBackend>::geglu_oss_fused(&device, d),
-                <Bastile<Gpu> as BastileBackend>::rope_fused(&device, d),
-                <Bastile<Gpu> as BastileBackend>::cross_entropy_fused(&device, d),
-                <Bastile<Gpu> as BastileBackend>::linear_cross_entropy_fused(&device, d),
+                is_fused::<Bastile<Gpu>, _>(&SwiGlu, &device, &DTypeQuery { dtype: d }),
+                is_fused::<Bastile<Gpu>, _>(&geglu, &device, &DTypeQuery { dtype: d }),
+                is_fused::<Bastile<Gpu>, _>(&rope, &device, &DTypeQuery { dtype: d }),
+                is_fused::<Bastile<Gpu>, _>(&ce, &device, &CrossEntropyQuery { dtype: d }),
+                is_fused::<Bastile<Gpu>, _>(&lce, &device, &CrossEntropyQuery { dtype: d }),
             ]
         };
         assert_eq!(fused(DType::F32), [true, false, false, false, false]);
@@ -153,7 +177,7 @@ fn switchboard_checks() {
         });
         assert_eq!(fused(DType::F32), [false, true, true, false, false]);
         apply(Patches {
-            fused_linear_cross_entropy: true,
+            linear_cross_entropy: true,
             ..Patches::none()
         });
         assert_eq!(fused(DType::F32), [false, false, false, false, true]);

@@ -34,13 +34,8 @@ fn run_autodiff<X: BastileBackend>(
     (values(y.inner()), values(dx), values(dg))
 }
 
-struct AutodiffMatches;
-
-impl BackendTest for AutodiffMatches {
-    fn run<B>(&self, device: &B::Device, name: &str, dtypes: &[DType])
-    where
-        B: bastile::ops::KernelBackend + BastileBackend,
-    {
+backend_test! {
+    fn rms_norm_autodiff_fused_matches_composite_and_reference<B>(device, name, dtypes) {
         let mut rng = Rng::fresh();
         let seed = rng.seed();
         for &dtype in dtypes {
@@ -52,7 +47,11 @@ impl BackendTest for AutodiffMatches {
             ] {
                 let [b, s, h] = shape;
                 assert!(
-                    <Bastile<B> as BastileBackend>::rms_norm_fused(device, h, dtype),
+                    bastile::fused::is_fused::<Bastile<B>, _>(
+                        &bastile::ops::rms_norm::RmsNorm { eps: 1e-6, cast },
+                        device,
+                        &bastile::ops::rms_norm::RmsNormQuery { hidden: h, dtype }
+                    ),
                     "{name}: the fused path should take hidden {h} {dtype:?}"
                 );
                 let n = b * s * h;
@@ -107,18 +106,8 @@ impl BackendTest for AutodiffMatches {
     }
 }
 
-#[test]
-fn rms_norm_autodiff_fused_matches_composite_and_reference() {
-    for_each_backend(&AutodiffMatches);
-}
-
-struct NonContiguous;
-
-impl BackendTest for NonContiguous {
-    fn run<B>(&self, device: &B::Device, name: &str, _dtypes: &[DType])
-    where
-        B: bastile::ops::KernelBackend + BastileBackend,
-    {
+backend_test! {
+    fn rms_norm_non_contiguous_input<B>(device, name, _dtypes) {
         let mut rng = Rng::fresh();
         let seed = rng.seed();
         let (rows, hidden) = (33, 200);
@@ -147,18 +136,8 @@ impl BackendTest for NonContiguous {
     }
 }
 
-#[test]
-fn rms_norm_non_contiguous_input() {
-    for_each_backend(&NonContiguous);
-}
-
-struct RejectsBadInput;
-
-impl BackendTest for RejectsBadInput {
-    fn run<B>(&self, device: &B::Device, name: &str, dtypes: &[DType])
-    where
-        B: bastile::ops::KernelBackend + BastileBackend,
-    {
+backend_test! {
+    fn rms_norm_rejects_bad_input_with_descriptive_errors<B>(device, name, dtypes) {
         type T<B> = Bastile<B>;
         let x = Tensor::<T<B>, 2>::ones([4, 8], device);
         let wrong = Tensor::<T<B>, 1>::ones([7], device);
@@ -185,9 +164,4 @@ impl BackendTest for RejectsBadInput {
             .cast(DType::F32);
         assert!(rms_norm(ints, gamma, 1e-6, RmsNormCast::Llama).is_ok());
     }
-}
-
-#[test]
-fn rms_norm_rejects_bad_input_with_descriptive_errors() {
-    for_each_backend(&RejectsBadInput);
 }

@@ -130,13 +130,8 @@ fn run<X: BastileBackend>(
     ]
 }
 
-struct AutodiffMatches;
-
-impl BackendTest for AutodiffMatches {
-    fn run<B>(&self, device: &B::Device, name: &str, dtypes: &[DType])
-    where
-        B: bastile::ops::KernelBackend + BastileBackend,
-    {
+backend_test! {
+    fn rope_fused_and_composite_match_reference_under_autodiff<B>(device, name, dtypes) {
         let mut rng = Rng::fresh();
         let seed = rng.seed();
         let base = Case {
@@ -181,7 +176,11 @@ impl BackendTest for AutodiffMatches {
             },
         ];
         for &dtype in dtypes {
-            assert!(<Bastile<B> as BastileBackend>::rope_fused(device, dtype));
+            let query = bastile::fused::DTypeQuery { dtype };
+            let op = bastile::ops::rope::Rope::default();
+            assert!(bastile::fused::is_fused::<Bastile<B>, _>(
+                &op, device, &query
+            ));
             for case in cases {
                 let (inv, _) =
                     rope_frequencies(case.head_dim, 10_000.0, &RopeScaling::None).unwrap();
@@ -222,11 +221,6 @@ impl BackendTest for AutodiffMatches {
             }
         }
     }
-}
-
-#[test]
-fn rope_fused_and_composite_match_reference_under_autodiff() {
-    for_each_backend(&AutodiffMatches);
 }
 
 /// HF transformers' RoPE tables (scripts/rope_fixtures.py).
@@ -294,17 +288,12 @@ fn rope_frequencies_match_hf_transformers() {
     }
 }
 
-/// The device-built tables at HF's sample positions (up to 70000), from
-/// HF's own inverse frequencies: `rope_frequencies` may differ from them by
-/// an ulp (HF's CPU `pow` is not correctly rounded), which an angle of 7e4
-/// rad would amplify past any useful bound.
-struct TablesMatchHf;
-
-impl BackendTest for TablesMatchHf {
-    fn run<B>(&self, device: &B::Device, name: &str, _dtypes: &[DType])
-    where
-        B: bastile::ops::KernelBackend + BastileBackend,
-    {
+backend_test! {
+    /// The device-built tables at HF's sample positions (up to 70000), from
+    /// HF's own inverse frequencies: `rope_frequencies` may differ from them by
+    /// an ulp (HF's CPU `pow` is not correctly rounded), which an angle of 7e4
+    /// rad would amplify past any useful bound.
+    fn rope_tables_match_hf_transformers<B>(device, name, _dtypes) {
         let fx = fixture();
         for (key, _, _) in configs() {
             let e = &fx[key];
@@ -338,21 +327,11 @@ impl BackendTest for TablesMatchHf {
     }
 }
 
-#[test]
-fn rope_tables_match_hf_transformers() {
-    for_each_backend(&TablesMatchHf);
-}
-
-/// With interleaved pairing, `bastile::nn::RotaryEncoding` computes what
-/// `burn::nn::RotaryEncoding` does. Burn's module runs on NdArray for the
-/// expected values: on CUDA its rotation is a matmul that may use TF32.
-struct DropIn;
-
-impl BackendTest for DropIn {
-    fn run<B>(&self, device: &B::Device, name: &str, _dtypes: &[DType])
-    where
-        B: bastile::ops::KernelBackend + BastileBackend,
-    {
+backend_test! {
+    /// With interleaved pairing, `bastile::nn::RotaryEncoding` computes what
+    /// `burn::nn::RotaryEncoding` does. Burn's module runs on NdArray for the
+    /// expected values: on CUDA its rotation is a matmul that may use TF32.
+    fn rotary_encoding_matches_burn_nn_with_interleaved_pairing<B>(device, name, _dtypes) {
         type F<B> = Bastile<B>;
         type Cpu = burn::backend::NdArray;
         let theirs = burn::nn::RotaryEncodingConfig::new(32, 16).init::<Cpu>(&Default::default());
@@ -376,11 +355,6 @@ impl BackendTest for DropIn {
             0,
         );
     }
-}
-
-#[test]
-fn rotary_encoding_matches_burn_nn_with_interleaved_pairing() {
-    for_each_backend(&DropIn);
 }
 
 #[test]

@@ -47,18 +47,17 @@ fn run<X: BastileBackend>(
     )
 }
 
-struct AutodiffMatches;
-
-impl BackendTest for AutodiffMatches {
-    fn run<B>(&self, device: &B::Device, name: &str, dtypes: &[DType])
-    where
-        B: bastile::ops::KernelBackend + BastileBackend,
-    {
+backend_test! {
+    fn swiglu_fused_and_composite_match_reference_under_autodiff<B>(device, name, dtypes) {
         let mut rng = Rng::fresh();
         let seed = rng.seed();
         for &dtype in dtypes {
             assert!(
-                <Bastile<B> as BastileBackend>::swiglu_fused(device, dtype),
+                bastile::fused::is_fused::<Bastile<B>, _>(
+                    &bastile::ops::swiglu::SwiGlu,
+                    device,
+                    &bastile::fused::DTypeQuery { dtype }
+                ),
                 "{name}: SwiGLU should be fused for {dtype:?}"
             );
             for (shape, packed, transposed) in [
@@ -103,20 +102,10 @@ impl BackendTest for AutodiffMatches {
     }
 }
 
-#[test]
-fn swiglu_fused_and_composite_match_reference_under_autodiff() {
-    for_each_backend(&AutodiffMatches);
-}
-
-/// The drop-in modules: `SwiGlu` loads `burn::nn::SwiGlu`'s record and
-/// gives its output; `SwiGluMlp` is `down(silu(gate(x)) · up(x))`.
-struct Modules;
-
-impl BackendTest for Modules {
-    fn run<B>(&self, device: &B::Device, name: &str, _dtypes: &[DType])
-    where
-        B: bastile::ops::KernelBackend + BastileBackend,
-    {
+backend_test! {
+    /// The drop-in modules: `SwiGlu` loads `burn::nn::SwiGlu`'s record and
+    /// gives its output; `SwiGluMlp` is `down(silu(gate(x)) · up(x))`.
+    fn swiglu_modules_match_burn<B>(device, name, _dtypes) {
         type F<B> = Bastile<B>;
         let burn_module = burn::nn::SwiGluConfig::new(24, 40)
             .with_bias(true)
@@ -152,11 +141,6 @@ impl BackendTest for Modules {
             0,
         );
     }
-}
-
-#[test]
-fn swiglu_modules_match_burn() {
-    for_each_backend(&Modules);
 }
 
 #[test]

@@ -17,14 +17,11 @@
 //! the gradient passes at exactly ±limit).
 
 use cubecl::prelude::*;
-use cubecl::tune::{LocalTuner, local_tuner};
 
-use crate::elementwise::{
-    Tile, TileLaunch, items_bucket, row_tile, run_tiled, tile_candidates, tile_item,
-};
+use crate::elementwise::{Tile, TileLaunch, tile_item};
+use crate::glu::{self, Activation, GluShape, Packing};
 use crate::rows::Rows;
-use crate::tune::Tuner;
-use crate::{FloatDtype, KernelError, launch};
+use crate::{FloatDtype, KernelError};
 
 /// `rows` rows of `inter` interleaved (gate, up) pairs, i.e. `2·inter`
 /// input elements and `inter` output elements per row.
@@ -40,26 +37,23 @@ pub struct GegluProblem {
 }
 
 impl GegluProblem {
-    fn validate(&self) -> Result<(), KernelError> {
-        if self.inter == 0 || self.stride_multiple == 0 {
-            return Err(KernelError::Shape(format!(
-                "GEGLU needs a positive width and stride multiple, got {self:?}"
-            )));
+    fn shape(&self) -> GluShape {
+        GluShape {
+            activation: Activation::GegluOss,
+            rows: self.rows,
+            inter: self.inter,
+            dtype: self.dtype,
+            stride_multiple: self.stride_multiple,
         }
+    }
+
+    fn validate(&self) -> Result<(), KernelError> {
         if !(self.alpha.is_finite() && self.limit.is_finite() && self.limit >= 0.0) {
             return Err(KernelError::Shape(format!(
                 "GEGLU needs a finite alpha and a finite non-negative limit, got {self:?}"
             )));
         }
         Ok(())
-    }
-
-    fn vector_size<R: Runtime>(&self, client: &ComputeClient<R>) -> usize {
-        launch::vector_size(
-            client,
-            self.dtype,
-            launch::gcd(self.inter, self.stride_multiple),
-        )
     }
 }
 
@@ -204,15 +198,7 @@ pub fn forward_with<R: Runtime>(
     config: &TileLaunch,
 ) -> Result<(), KernelError> {
     problem.validate()?;
-    let tile = row_tile(
-        client,
-        "GEGLU",
-        problem.rows,
-        problem.inter,
-        problem.stride_multiple,
-        config,
-    )?;
-    let Some((v, row_items)) = tile else {
+    let Some((v, row_items)) = problem.shape().tile(client, config)? else {
         return Ok(());
     };
     unsafe {
@@ -243,15 +229,7 @@ pub fn backward_with<R: Runtime>(
     config: &TileLaunch,
 ) -> Result<(), KernelError> {
     problem.validate()?;
-    let tile = row_tile(
-        client,
-        "GEGLU",
-        problem.rows,
-        problem.inter,
-        problem.stride_multiple,
-        config,
-    )?;
-    let Some((v, row_items)) = tile else {
+    let Some((v, row_items)) = problem.shape().tile(client, config)? else {
         return Ok(());
     };
     unsafe {
@@ -281,51 +259,28 @@ pub fn candidates<R: Runtime>(
     client: &ComputeClient<R>,
     problem: &GegluProblem,
 ) -> Vec<TileLaunch> {
-    tile_candidates(client, problem.vector_size(client))
+    problem.shape().candidates(client)
 }
 
-/// The autotune key.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-pub struct GegluKey {
-    pub items_bucket: usize,
-    pub row_items: usize,
-    pub dtype: FloatDtype,
-    pub vector_size: usize,
-    pub backward: bool,
-}
-
-impl core::fmt::Display for GegluKey {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        write!(
-            f,
-            "geglu_oss{} items~{} row_items={} {} vec={}",
-            if self.backward { "_bwd" } else { "_fwd" },
-            self.items_bucket,
-            self.row_items,
-            self.dtype,
-            self.vector_size
-        )
-    }
-}
-
-static FORWARD_TUNER: Tuner<GegluKey> = local_tuner!("bastile-geglu-forward");
-static BACKWARD_TUNER: Tuner<GegluKey> = local_tuner!("bastile-geglu-backward");
-
-/// Forgets every tuning decision taken in this process.
-pub fn clear_autotune() {
-    FORWARD_TUNER.clear();
-    BACKWARD_TUNER.clear();
-}
-
-fn key(problem: &GegluProblem, vector_size: usize, backward: bool) -> GegluKey {
-    let row_items = problem.inter / vector_size;
-    GegluKey {
-        items_bucket: items_bucket(problem.rows * row_items),
-        row_items,
-        dtype: problem.dtype,
-        vector_size,
-        backward,
-    }
+/// Runs the forward (or, with `backward`, the backward) kernel with the
+/// autotuned configuration.
+fn tuned<R: Runtime, Buffers: Clone + Send + Sync + 'static>(
+    backward: bool,
+    launch: crate::tune::Launcher<R, GegluProblem, Buffers, TileLaunch>,
+    client: &ComputeClient<R>,
+    device: &R::Device,
+    problem: &GegluProblem,
+    buffers: &Buffers,
+) -> Result<(), KernelError> {
+    problem.validate()?;
+    let packing = Packing {
+        input: false,
+        grad: false,
+    };
+    let shape = problem.shape();
+    glu::run(
+        shape, packing, backward, launch, client, device, problem, buffers,
+    )
 }
 
 /// Runs the forward kernel with the autotuned configuration.
@@ -335,18 +290,7 @@ pub fn forward<R: Runtime>(
     problem: &GegluProblem,
     buffers: &GegluForwardBuffers,
 ) -> Result<(), KernelError> {
-    problem.validate()?;
-    let v = problem.vector_size(client);
-    run_tiled(
-        &FORWARD_TUNER,
-        key(problem, v, false),
-        v,
-        forward_with::<R>,
-        client,
-        device,
-        problem,
-        buffers,
-    )
+    tuned(false, forward_with::<R>, client, device, problem, buffers)
 }
 
 /// Runs the backward kernel with the autotuned configuration.
@@ -356,16 +300,5 @@ pub fn backward<R: Runtime>(
     problem: &GegluProblem,
     buffers: &GegluBackwardBuffers,
 ) -> Result<(), KernelError> {
-    problem.validate()?;
-    let v = problem.vector_size(client);
-    run_tiled(
-        &BACKWARD_TUNER,
-        key(problem, v, true),
-        v,
-        backward_with::<R>,
-        client,
-        device,
-        problem,
-        buffers,
-    )
+    tuned(true, backward_with::<R>, client, device, problem, buffers)
 }

@@ -16,6 +16,7 @@ pub mod elementwise;
 pub mod error;
 pub mod geglu;
 pub mod gemm_layout;
+pub mod glu;
 pub mod launch;
 pub mod reduce;
 pub mod reference;

@@ -13,15 +13,11 @@
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
-use cubecl::tune::{LocalTuner, local_tuner};
 
-use crate::elementwise::{
-    Tile, TileLaunch, items_bucket, round_through, row_tile, run_tiled, sigmoid, tile_candidates,
-    tile_item,
-};
+use crate::elementwise::{Tile, TileLaunch, round_through, sigmoid, tile_item};
+use crate::glu::{self, Activation, GluShape, Packing};
 use crate::rows::Rows;
-use crate::tune::Tuner;
-use crate::{FloatDtype, KernelError, launch};
+use crate::{FloatDtype, KernelError};
 
 /// `rows` rows of `inter` gate and `inter` up elements.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -35,21 +31,14 @@ pub struct SwiGluProblem {
 }
 
 impl SwiGluProblem {
-    fn validate(&self) -> Result<(), KernelError> {
-        if self.inter == 0 || self.stride_multiple == 0 {
-            return Err(KernelError::Shape(format!(
-                "SwiGLU needs a positive width and stride multiple, got {self:?}"
-            )));
+    fn shape(&self) -> GluShape {
+        GluShape {
+            activation: Activation::SwiGlu,
+            rows: self.rows,
+            inter: self.inter,
+            dtype: self.dtype,
+            stride_multiple: self.stride_multiple,
         }
-        Ok(())
-    }
-
-    fn vector_size<R: Runtime>(&self, client: &ComputeClient<R>) -> usize {
-        launch::vector_size(
-            client,
-            self.dtype,
-            launch::gcd(self.inter, self.stride_multiple),
-        )
     }
 }
 
@@ -238,16 +227,7 @@ pub fn forward_with<R: Runtime>(
     buffers: &SwiGluForwardBuffers,
     config: &TileLaunch,
 ) -> Result<(), KernelError> {
-    problem.validate()?;
-    let tile = row_tile(
-        client,
-        "SwiGLU",
-        problem.rows,
-        problem.inter,
-        problem.stride_multiple,
-        config,
-    )?;
-    let Some((v, row_items)) = tile else {
+    let Some((v, row_items)) = problem.shape().tile(client, config)? else {
         return Ok(());
     };
     let dummy = client.empty(16);
@@ -286,16 +266,7 @@ pub fn backward_with<R: Runtime>(
     buffers: &SwiGluBackwardBuffers,
     config: &TileLaunch,
 ) -> Result<(), KernelError> {
-    problem.validate()?;
-    let tile = row_tile(
-        client,
-        "SwiGLU",
-        problem.rows,
-        problem.inter,
-        problem.stride_multiple,
-        config,
-    )?;
-    let Some((v, row_items)) = tile else {
+    let Some((v, row_items)) = problem.shape().tile(client, config)? else {
         return Ok(());
     };
     let dummy_in = client.empty(16);
@@ -340,63 +311,7 @@ pub fn candidates<R: Runtime>(
     client: &ComputeClient<R>,
     problem: &SwiGluProblem,
 ) -> Vec<TileLaunch> {
-    tile_candidates(client, problem.vector_size(client))
-}
-
-/// The autotune key.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-pub struct SwiGluKey {
-    pub items_bucket: usize,
-    pub row_items: usize,
-    pub dtype: FloatDtype,
-    pub vector_size: usize,
-    pub packed_in: bool,
-    pub packed_grad: bool,
-    pub backward: bool,
-}
-
-impl core::fmt::Display for SwiGluKey {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        write!(
-            f,
-            "swiglu{} items~{} row_items={} {} vec={} packed={}/{}",
-            if self.backward { "_bwd" } else { "_fwd" },
-            self.items_bucket,
-            self.row_items,
-            self.dtype,
-            self.vector_size,
-            self.packed_in,
-            self.packed_grad
-        )
-    }
-}
-
-static FORWARD_TUNER: Tuner<SwiGluKey> = local_tuner!("bastile-swiglu-forward");
-static BACKWARD_TUNER: Tuner<SwiGluKey> = local_tuner!("bastile-swiglu-backward");
-
-/// Forgets every tuning decision taken in this process.
-pub fn clear_autotune() {
-    FORWARD_TUNER.clear();
-    BACKWARD_TUNER.clear();
-}
-
-fn key(
-    problem: &SwiGluProblem,
-    vector_size: usize,
-    packed_in: bool,
-    packed_grad: bool,
-    backward: bool,
-) -> SwiGluKey {
-    let row_items = problem.inter / vector_size;
-    SwiGluKey {
-        items_bucket: items_bucket(problem.rows * row_items),
-        row_items,
-        dtype: problem.dtype,
-        vector_size,
-        packed_in,
-        packed_grad,
-        backward,
-    }
+    problem.shape().candidates(client)
 }
 
 /// Runs the forward kernel with the autotuned configuration.
@@ -406,13 +321,15 @@ pub fn forward<R: Runtime>(
     problem: &SwiGluProblem,
     buffers: &SwiGluForwardBuffers,
 ) -> Result<(), KernelError> {
-    problem.validate()?;
-    let v = problem.vector_size(client);
-    let key = key(problem, v, buffers.input.packed(), false, false);
-    run_tiled(
-        &FORWARD_TUNER,
-        key,
-        v,
+    let packing = Packing {
+        input: buffers.input.packed(),
+        grad: false,
+    };
+    let shape = problem.shape();
+    glu::run(
+        shape,
+        packing,
+        false,
         forward_with::<R>,
         client,
         device,
@@ -428,19 +345,15 @@ pub fn backward<R: Runtime>(
     problem: &SwiGluProblem,
     buffers: &SwiGluBackwardBuffers,
 ) -> Result<(), KernelError> {
-    problem.validate()?;
-    let v = problem.vector_size(client);
-    let key = key(
-        problem,
-        v,
-        buffers.input.packed(),
-        buffers.grad.packed(),
+    let packing = Packing {
+        input: buffers.input.packed(),
+        grad: buffers.grad.packed(),
+    };
+    let shape = problem.shape();
+    glu::run(
+        shape,
+        packing,
         true,
-    );
-    run_tiled(
-        &BACKWARD_TUNER,
-        key,
-        v,
         backward_with::<R>,
         client,
         device,

@@ -1,4 +1,4 @@
-"""PyTorch side of `cargo xtask bench --op flce`: the same loss on the same
+"""PyTorch side of `cargo xtask bench --op linear-cross-entropy`: the same loss on the same
 GPU through PyTorch (cuBLAS), for the comparison table.
 
 Implementations, each forward + backward of the mean cross-entropy over the

@@ -1,7 +1,18 @@
 //! GPT-OSS GEGLU: the fused kernels against the same math in Burn ops.
 
-use bastile::ops::geglu::{GEGLU_OSS_ALPHA as ALPHA, GEGLU_OSS_LIMIT as LIMIT};
+use bastile::ops::geglu::{
+    GEGLU_OSS_ALPHA as ALPHA, GEGLU_OSS_LIMIT as LIMIT, GegluOss, GegluOssBackward,
+};
 use bastile::{Bastile, BastileBackend};
+
+const FORWARD: GegluOss = GegluOss {
+    alpha: ALPHA,
+    limit: LIMIT,
+};
+const BACKWARD: GegluOssBackward = GegluOssBackward {
+    alpha: ALPHA,
+    limit: LIMIT,
+};
 use burn::tensor::DType;
 
 use crate::Args;
@@ -42,14 +53,10 @@ where
         measure::<B>(device, args, report, &case, |pass, fused, i| {
             let (x, d) = data[i % sets].clone();
             match (pass, fused) {
-                (Pass::Forward, true) => {
-                    Box::new(<Bastile<B> as BastileBackend>::geglu_oss(x, ALPHA, LIMIT))
-                }
-                (Pass::Forward, false) => Box::new(B::geglu_oss(x, ALPHA, LIMIT)),
-                (Pass::Backward, true) => Box::new(
-                    <Bastile<B> as BastileBackend>::geglu_oss_backward(x, d, ALPHA, LIMIT),
-                ),
-                (Pass::Backward, false) => Box::new(B::geglu_oss_backward(x, d, ALPHA, LIMIT)),
+                (Pass::Forward, true) => Box::new(Bastile::<B>::run(&FORWARD, x)),
+                (Pass::Forward, false) => Box::new(B::run(&FORWARD, x)),
+                (Pass::Backward, true) => Box::new(Bastile::<B>::run(&BACKWARD, (x, d))),
+                (Pass::Backward, false) => Box::new(B::run(&BACKWARD, (x, d))),
                 (Pass::Train, true) => {
                     let x = tracked::<Bastile<B>, 2>(x);
                     let out = bastile::geglu_oss(x.clone(), ALPHA, LIMIT).expect("valid shapes");

@@ -4,7 +4,7 @@
 //! against the three bare matmuls alone (Burn's own and `Bastile<B>`'s,
 //! cuBLASLt on CUDA: the floor of the fused loss), in one run.
 
-use bastile::{Bastile, BastileBackend, CrossEntropyOptions, fused_linear_cross_entropy};
+use bastile::{Bastile, BastileBackend, CrossEntropyOptions, linear_cross_entropy};
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Distribution, Int, Tensor, TensorPrimitive};
@@ -51,8 +51,8 @@ fn fused<B: bastile::ops::KernelBackend>(
         chunk_size: chunk,
         ..Default::default()
     };
-    let out = fused_linear_cross_entropy(h.clone(), w.clone(), None, labels, options)
-        .expect("valid inputs");
+    let out =
+        linear_cross_entropy(h.clone(), w.clone(), None, labels, options).expect("valid inputs");
     let grads = out.loss.backward();
     Box::new((h.grad(&grads), w.grad(&grads)))
 }

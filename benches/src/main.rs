@@ -9,8 +9,8 @@ mod adamw;
 mod attention;
 mod chart;
 mod copy;
-mod flce;
 mod geglu;
+mod linear_cross_entropy;
 mod matmul;
 mod passes;
 mod progress;
@@ -44,7 +44,9 @@ pub enum OpName {
     Swiglu,
     Geglu,
     Rope,
-    Flce,
+    /// The fused linear cross-entropy (`flce` is accepted too).
+    #[value(alias = "flce")]
+    LinearCrossEntropy,
     Matmul,
     Attention,
 }
@@ -104,7 +106,7 @@ pub struct Args {
     /// (`-<name>.png`) beside it.
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
-    /// With `--op flce`: run only this configuration (index into the list
+    /// With `--op linear-cross-entropy`: run only this configuration (index into the list
     /// the run prints), so each can be measured in a fresh process whose
     /// memory pool holds nothing else.
     #[arg(long)]
@@ -307,7 +309,7 @@ where
     let copy_gbs = if !kernels
         || matches!(
             args.op,
-            Some(OpName::Flce | OpName::Matmul | OpName::Attention)
+            Some(OpName::LinearCrossEntropy | OpName::Matmul | OpName::Attention)
         ) {
         f64::NAN
     } else {
@@ -326,7 +328,10 @@ where
             (OpName::Swiglu, swiglu::bench::<B>),
             (OpName::Geglu, geglu::bench::<B>),
             (OpName::Rope, rope::bench::<B>),
-            (OpName::Flce, flce::bench::<R, B>),
+            (
+                OpName::LinearCrossEntropy,
+                linear_cross_entropy::bench::<R, B>,
+            ),
             (OpName::Matmul, matmul::bench::<B>),
             (OpName::Attention, attention::bench::<R, B>),
         ];

@@ -1,6 +1,7 @@
 //! RMSNorm: fused kernels against Burn's composite, forward, backward and a
 //! training-style forward + backward through `Autodiff`.
 
+use bastile::ops::rms_norm::{RmsNorm, RmsNormBackward};
 use bastile::{Bastile, BastileBackend, RmsNormCast};
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
@@ -69,15 +70,14 @@ where
 
         for (name, fused) in [("bastile", true), ("burn", false)] {
             let forward = |x: FloatTensor<B>| {
+                let op = RmsNorm {
+                    eps: EPS,
+                    cast: RmsNormCast::Llama,
+                };
                 if fused {
-                    <Bastile<B> as BastileBackend>::rms_norm_forward(
-                        x,
-                        gamma.clone(),
-                        EPS,
-                        RmsNormCast::Llama,
-                    )
+                    Bastile::<B>::run(&op, (x, gamma.clone()))
                 } else {
-                    B::rms_norm_forward(x, gamma.clone(), EPS, RmsNormCast::Llama)
+                    B::run(&op, (x, gamma.clone()))
                 }
             };
             let t = median_seconds(
@@ -100,16 +100,13 @@ where
                         rstd[i % sets].clone(),
                         s.dy.clone(),
                     );
+                    let op = RmsNormBackward {
+                        cast: RmsNormCast::Llama,
+                    };
                     if fused {
-                        <Bastile<B> as BastileBackend>::rms_norm_backward(
-                            x,
-                            g,
-                            r,
-                            dy,
-                            RmsNormCast::Llama,
-                        )
+                        Bastile::<B>::run(&op, (x, g, r, dy))
                     } else {
-                        B::rms_norm_backward(x, g, r, dy, RmsNormCast::Llama)
+                        B::run(&op, (x, g, r, dy))
                     }
                 },
                 sync,

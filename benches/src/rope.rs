@@ -1,6 +1,7 @@
 //! RoPE: q and k in one fused launch against HF's formula in Burn ops.
 
 use bastile::nn::{RopeScaling, rope_frequencies};
+use bastile::ops::rope::Rope;
 use bastile::{Bastile, BastileBackend, RopeOptions, RopeTables};
 use burn::tensor::DType;
 
@@ -67,7 +68,7 @@ where
                     } else {
                         backward
                     };
-                    Box::new(<Bastile<B> as BastileBackend>::rope(q, Some(k), c, sn, o))
+                    Box::new(Bastile::<B>::run(&Rope { options: o }, (q, Some(k), c, sn)))
                 }
                 (Pass::Forward | Pass::Backward, false) => {
                     let o = if pass == Pass::Forward {
@@ -75,7 +76,7 @@ where
                     } else {
                         backward
                     };
-                    Box::new(B::rope(q, Some(k), c, sn, o))
+                    Box::new(B::run(&Rope { options: o }, (q, Some(k), c, sn)))
                 }
                 (Pass::Train, true) => {
                     let t = RopeTables {

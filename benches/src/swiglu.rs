@@ -1,5 +1,6 @@
 //! SwiGLU: the fused kernels against Burn's `silu(gate) * up`.
 
+use bastile::ops::swiglu::{SwiGlu, SwiGluBackward};
 use bastile::{Bastile, BastileBackend, GluTensors};
 use burn::tensor::DType;
 use burn::tensor::activation::silu;
@@ -41,12 +42,10 @@ where
             let (g, u, d) = data[i % sets].clone();
             let input = GluTensors::Separate { gate: g, up: u };
             match (pass, fused) {
-                (Pass::Forward, true) => Box::new(<Bastile<B> as BastileBackend>::swiglu(input)),
-                (Pass::Forward, false) => Box::new(B::swiglu(input)),
-                (Pass::Backward, true) => {
-                    Box::new(<Bastile<B> as BastileBackend>::swiglu_backward(input, d))
-                }
-                (Pass::Backward, false) => Box::new(B::swiglu_backward(input, d)),
+                (Pass::Forward, true) => Box::new(Bastile::<B>::run(&SwiGlu, input)),
+                (Pass::Forward, false) => Box::new(B::run(&SwiGlu, input)),
+                (Pass::Backward, true) => Box::new(Bastile::<B>::run(&SwiGluBackward, (input, d))),
+                (Pass::Backward, false) => Box::new(B::run(&SwiGluBackward, (input, d))),
                 (Pass::Train, true) => {
                     let GluTensors::Separate { gate, up } = input else {
                         unreachable!()

@@ -6,7 +6,7 @@
 
 use bastile::nn::{RmsNorm, RmsNormConfig, rope_frequencies};
 use bastile::{
-    BastileBackend, CrossEntropyOptions, CrossEntropyOutput, RopeTables, fused_linear_cross_entropy,
+    BastileBackend, CrossEntropyOptions, CrossEntropyOutput, RopeTables, linear_cross_entropy,
 };
 use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer};
@@ -197,7 +197,7 @@ impl<B: BastileBackend> CausalLm<B> {
         );
         let x = self.hidden(ids)?;
         let h = self.config.hidden_size;
-        Ok(fused_linear_cross_entropy(
+        Ok(linear_cross_entropy(
             x.reshape([b * s, h]),
             self.head_weight(),
             None,

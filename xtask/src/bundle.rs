@@ -19,6 +19,8 @@ const GPU_TESTS: &[&str] = &[
     "rope",
     "cross_entropy",
     "matmul",
+    "adamw",
+    "checkpointing",
     "hf_parity",
     "training",
 ];

@@ -12,8 +12,8 @@ use burn::tensor::ops::{AttentionModuleOptions, BoolTensor, FloatTensor};
 
 use super::Bastile;
 use crate::BastileBackend;
-use crate::kernels::KernelBackend;
-use crate::ops::attention::{AttentionSpec, scale_or_default};
+use crate::fused::{FusedOp, KernelBackend, is_fused};
+use crate::ops::attention::{Attention, AttentionSpec, AttentionTensors, scale_or_default};
 
 pub(super) fn module_attention<B: KernelBackend>(
     query: FloatTensor<B>,
@@ -29,17 +29,30 @@ pub(super) fn module_attention<B: KernelBackend>(
         causal: options.is_causal,
         window: None,
     };
-    let dims = [query.shape(), key.shape()];
     // Shapes, dtype, the patch switch and the size threshold are the fused
-    // op's own predicate; what Burn's call adds is checked here.
+    // op's own plan; what Burn's call adds is checked here.
     let plain = mask.is_none()
         && attn_bias.is_none()
         && options.softcap.is_none()
         && key.shape() == value.shape();
-    let device = B::float_device(&query);
-    if plain && Bastile::<B>::attention_fused(&device, &dims, query.dtype(), &spec) {
-        B::attention_forward_kernel(query, key, value, None, None, spec).0
+    let op = Attention { spec };
+    let input = AttentionTensors {
+        q: query,
+        k: key,
+        v: value,
+        sinks: None,
+        key_lengths: None,
+    };
+    let (device, problem) = op.problem::<B>(&input);
+    if plain && is_fused::<Bastile<B>, _>(&op, &device, &problem) {
+        Bastile::<B>::run(&op, input).0
     } else {
+        let AttentionTensors {
+            q: query,
+            k: key,
+            v: value,
+            ..
+        } = input;
         B::attention(query, key, value, mask, attn_bias, options)
     }
 }

@@ -2,7 +2,7 @@
 //! `B`'s type to `Bastile<B>`'s. The fields are the same primitives: these
 //! are moves, not copies.
 
-use crate::kernels::KernelBackend;
+use crate::fused::KernelBackend;
 use burn::tensor::TensorPrimitive;
 use burn::tensor::ops::{
     DeformConv2dBackward, MaxPool1dBackward, MaxPool1dWithIndices, MaxPool2dBackward,

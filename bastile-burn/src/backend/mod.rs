@@ -8,14 +8,14 @@
 mod attention;
 mod convert;
 mod forward;
-mod matmul;
+pub(crate) mod matmul;
 
 use core::marker::PhantomData;
 
 use burn::tensor::backend::{Backend, BackendTypes, DTypeUsageSet, ExecutionError};
 use burn::tensor::{DType, TensorData};
 
-use crate::kernels::KernelBackend;
+use crate::fused::KernelBackend;
 
 /// The Bastile backend decorator: `B` with fused training kernels.
 ///

@@ -5,7 +5,7 @@ use burn::config::Config;
 use burn::tensor::{Int, Tensor};
 
 use crate::ops::cross_entropy::{CrossEntropyOptions, CrossEntropyOutput, Reduction};
-use crate::ops::linear_cross_entropy::fused_linear_cross_entropy;
+use crate::ops::linear_cross_entropy::linear_cross_entropy;
 use crate::{BastileBackend, BastileError};
 
 /// Configuration of [`LinearCrossEntropyLoss`].
@@ -101,7 +101,7 @@ impl LinearCrossEntropyLoss {
         bias: Option<Tensor<B, 1>>,
         labels: Tensor<B, 1, Int>,
     ) -> Result<CrossEntropyOutput<B>, BastileError> {
-        fused_linear_cross_entropy(hidden, weight, bias, labels, self.options)
+        linear_cross_entropy(hidden, weight, bias, labels, self.options)
     }
 
     /// The loss through a `burn::nn::Linear` head (whose weight is stored

@@ -48,7 +48,7 @@ use burn::tensor::{Bool, DType, Tensor, TensorMetadata};
 // Burn implements `Record` for hashbrown's map.
 use hashbrown::HashMap;
 
-use crate::ops::adamw::{AdamWStep, AdamWTensors, flat};
+use crate::ops::adamw::{AdamWClip, AdamWStep, AdamWTensors, AdamWUpdate, flat};
 use crate::ops::float;
 use crate::{BastileBackend, BastileError};
 
@@ -296,7 +296,8 @@ where
         }
         self.step += 1;
         let all: Vec<FloatTensor<B::InnerBackend>> = taken.iter().map(|t| t.grad.clone()).collect();
-        let mut clip = B::InnerBackend::adamw_clip(all, self.config.max_grad_norm);
+        let max_norm = self.config.max_grad_norm;
+        let mut clip = B::InnerBackend::run(&AdamWClip { max_norm }, all);
         if let Some(skip) = skip {
             // A non-finite norm is what makes the update keep every value.
             let guarded: Tensor<B::InnerBackend, 1> = float(clip);
@@ -322,7 +323,7 @@ where
             grads.push(t.grad);
             order.push(t.param);
         }
-        let updated = B::InnerBackend::adamw_update(states, grads, Some(clip), hyper);
+        let updated = B::InnerBackend::run(&AdamWUpdate { hyper }, (states, grads, Some(clip)));
         let mut back = HashMap::with_capacity(order.len());
         for (param, updated) in order.into_iter().zip(updated) {
             self.states.insert(

@@ -20,6 +20,43 @@ pub trait BackendTest {
         B: KernelBackend + BastileBackend;
 }
 
+/// A `#[test]` whose body runs on every selected backend (see
+/// [`for_each_backend`]):
+///
+/// ```text
+/// backend_test! {
+///     /// What it checks.
+///     fn rms_norm_matches_reference<B>(device, name, dtypes) { .. }
+/// }
+/// ```
+///
+/// The body sees the inner backend `B`, its `device`, the backend's `name`
+/// for messages and the `dtypes` it runs.
+macro_rules! backend_test {
+    (
+        $(#[$attr:meta])*
+        fn $test:ident<$b:ident>($device:ident, $name:ident, $dtypes:ident) $body:block
+    ) => {
+        $(#[$attr])*
+        #[test]
+        fn $test() {
+            struct Test;
+            impl $crate::common::BackendTest for Test {
+                fn run<$b>(
+                    &self,
+                    $device: &$b::Device,
+                    $name: &str,
+                    $dtypes: &[burn::tensor::DType],
+                ) where
+                    $b: bastile::ops::KernelBackend + bastile::BastileBackend,
+                $body
+            }
+            $crate::common::for_each_backend(&Test);
+        }
+    };
+}
+pub(crate) use backend_test;
+
 pub fn for_each_backend(test: &impl BackendTest) {
     let mut ran = 0;
     if runtime_selected("wgpu", cfg!(feature = "wgpu")) {
@@ -75,7 +112,7 @@ pub fn takes_turn(name: &str, case: usize, dtype: usize, dtypes: usize) -> bool 
 
 /// The kernel dtype matching a Burn float dtype.
 pub fn kdtype(dtype: DType) -> bastile_cubecl::FloatDtype {
-    bastile::kernels::kernel_dtype(dtype).unwrap_or_else(|| panic!("no kernel dtype for {dtype:?}"))
+    bastile::fused::kernel_dtype(dtype).unwrap_or_else(|| panic!("no kernel dtype for {dtype:?}"))
 }
 
 /// Random normal values already rounded to `dtype`, so the f64 reference

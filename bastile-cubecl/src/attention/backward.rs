@@ -14,6 +14,8 @@
 
 use cubecl::prelude::*;
 
+use crate::attention::AttnDims;
+
 use super::forward::query_block_keys;
 use super::tile::{AttnTile, accumulate, allowed, cube_coords, key_count, load_block, row_scores};
 use crate::reduce::lane_sum;
@@ -146,14 +148,7 @@ pub(crate) fn attention_dkdv_kernel<F: Float>(
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
     strides: Sequence<usize>,
-    batch: usize,
-    heads: usize,
-    group: usize,
-    seq_q: usize,
-    seq_k: usize,
-    k_blocks: usize,
-    window: usize,
-    scale: f32,
+    dims: AttnDims,
     #[comptime] t: AttnTile,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -162,18 +157,19 @@ pub(crate) fn attention_dkdv_kernel<F: Float>(
     let cols = comptime![t.cols as usize];
     let sc = comptime![(t.cols / t.upr) as usize];
     let dc = comptime![(t.head_dim / t.upr) as usize];
-    let kv_heads = heads / group;
+    let kv_heads = dims.heads / dims.group;
     // Cubes are `upr × rows` units: one row of the tile per Y.
     let row = UNIT_POS_Y as usize;
     let lane = UNIT_POS_X as usize;
-    let (b, hk, kb) = cube_coords(k_blocks, kv_heads, batch, false, t);
-    if b < batch {
+    let (b, hk, kb) = cube_coords(dims.blocks, kv_heads, dims.batch, false, t);
+    if b < dims.batch {
         let k0 = kb * rows;
-        let klen = key_count(key_lengths, b, seq_k, t);
-        let offset = seq_k - seq_q;
+        let klen = key_count(key_lengths, b, dims.seq_k, t);
+        let offset = dims.seq_k - dims.seq_q;
         let key = k0 + row;
-        let k_end = select(k0 + rows < seq_k, k0 + rows, seq_k);
-        let (qb_first, qb_end) = query_block_range(k0, k_end - 1, seq_q, offset, window, t);
+        let k_end = select(k0 + rows < dims.seq_k, k0 + rows, dims.seq_k);
+        let (qb_first, qb_end) =
+            query_block_range(k0, k_end - 1, dims.seq_q, offset, dims.window, t);
 
         let mut smem_k = SharedMemory::<F>::new(comptime![t.rows as usize * t.pitch as usize]);
         let mut smem_v = SharedMemory::<F>::new(comptime![t.rows as usize * t.pitch as usize]);
@@ -189,7 +185,7 @@ pub(crate) fn attention_dkdv_kernel<F: Float>(
             k_base,
             strides[5usize],
             k0,
-            seq_k,
+            dims.seq_k,
             &mut smem_k,
             t.rows,
             t,
@@ -199,7 +195,7 @@ pub(crate) fn attention_dkdv_kernel<F: Float>(
             v_base,
             strides[8usize],
             k0,
-            seq_k,
+            dims.seq_k,
             &mut smem_v,
             t.rows,
             t,
@@ -213,11 +209,11 @@ pub(crate) fn attention_dkdv_kernel<F: Float>(
             acc_v[j] = 0.0f32;
         }
 
-        for g in 0..group {
-            let h = hk * group + g;
+        for g in 0..dims.group {
+            let h = hk * dims.group + g;
             let q_base = b * strides[0usize] + h * strides[1usize];
             let do_base = b * strides[12usize] + h * strides[13usize];
-            let stat_base = (b * heads + h) * seq_q;
+            let stat_base = (b * dims.heads + h) * dims.seq_q;
             for qb in qb_first..qb_end {
                 let q0 = qb * cols;
                 sync_cube();
@@ -226,7 +222,7 @@ pub(crate) fn attention_dkdv_kernel<F: Float>(
                     q_base,
                     strides[2usize],
                     q0,
-                    seq_q,
+                    dims.seq_q,
                     &mut smem_q,
                     t.cols,
                     t,
@@ -236,7 +232,7 @@ pub(crate) fn attention_dkdv_kernel<F: Float>(
                     do_base,
                     strides[14usize],
                     q0,
-                    seq_q,
+                    dims.seq_q,
                     &mut smem_do,
                     t.cols,
                     t,
@@ -248,11 +244,11 @@ pub(crate) fn attention_dkdv_kernel<F: Float>(
                 for j in 0..sc {
                     let c = lane + j * upr;
                     let qi = q0 + c;
-                    let ok = qi < seq_q && allowed(qi + offset, key, klen, window, t);
+                    let ok = qi < dims.seq_q && allowed(qi + offset, key, klen, dims.window, t);
                     let mut p = 0.0f32;
                     let mut ds = 0.0f32;
                     if ok {
-                        p = f32::exp(s[j] * scale - lse[stat_base + qi]);
+                        p = f32::exp(s[j] * dims.scale - lse[stat_base + qi]);
                         ds = p * (dp[j] - delta[stat_base + qi]);
                     }
                     smem_p[row * cols + c] = p;
@@ -264,12 +260,12 @@ pub(crate) fn attention_dkdv_kernel<F: Float>(
             }
         }
 
-        if key < seq_k {
+        if key < dims.seq_k {
             let dk_base = b * strides[18usize] + hk * strides[19usize] + key * strides[20usize];
             let dv_base = b * strides[21usize] + hk * strides[22usize] + key * strides[23usize];
             #[unroll]
             for j in 0..dc {
-                dk[dk_base + lane + j * upr] = F::cast_from(acc_k[j] * scale);
+                dk[dk_base + lane + j * upr] = F::cast_from(acc_k[j] * dims.scale);
                 dv[dv_base + lane + j * upr] = F::cast_from(acc_v[j]);
             }
         }
@@ -288,14 +284,7 @@ pub(crate) fn attention_dq_kernel<F: Float>(
     key_lengths: &Tensor<i32>,
     dq: &mut Tensor<F>,
     strides: Sequence<usize>,
-    batch: usize,
-    heads: usize,
-    group: usize,
-    seq_q: usize,
-    seq_k: usize,
-    q_blocks: usize,
-    window: usize,
-    scale: f32,
+    dims: AttnDims,
     #[comptime] t: AttnTile,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -307,12 +296,13 @@ pub(crate) fn attention_dq_kernel<F: Float>(
     // Cubes are `upr × rows` units: one row of the tile per Y.
     let row = UNIT_POS_Y as usize;
     let lane = UNIT_POS_X as usize;
-    let (b, h, qb) = cube_coords(q_blocks, heads, batch, true, t);
-    if b < batch {
-        let hk = h / group;
+    let (b, h, qb) = cube_coords(dims.blocks, dims.heads, dims.batch, true, t);
+    if b < dims.batch {
+        let hk = h / dims.group;
         let q0 = qb * rows;
-        let klen = key_count(key_lengths, b, seq_k, t);
-        let (offset, kb_first, kb_end) = query_block_keys(q0, seq_q, seq_k, klen, window, t);
+        let klen = key_count(key_lengths, b, dims.seq_k, t);
+        let (offset, kb_first, kb_end) =
+            query_block_keys(q0, dims.seq_q, dims.seq_k, klen, dims.window, t);
 
         let mut smem_q = SharedMemory::<F>::new(comptime![t.rows as usize * t.pitch as usize]);
         let mut smem_do = SharedMemory::<F>::new(comptime![t.rows as usize * t.pitch as usize]);
@@ -329,7 +319,7 @@ pub(crate) fn attention_dq_kernel<F: Float>(
             q_base,
             strides[2usize],
             q0,
-            seq_q,
+            dims.seq_q,
             &mut smem_q,
             t.rows,
             t,
@@ -339,7 +329,7 @@ pub(crate) fn attention_dq_kernel<F: Float>(
             do_base,
             strides[14usize],
             q0,
-            seq_q,
+            dims.seq_q,
             &mut smem_do,
             t.rows,
             t,
@@ -348,9 +338,9 @@ pub(crate) fn attention_dq_kernel<F: Float>(
         let qi = q0 + row;
         let mut row_lse = 0.0f32;
         let mut row_delta = 0.0f32;
-        if qi < seq_q {
-            row_lse = lse[(b * heads + h) * seq_q + qi];
-            row_delta = delta[(b * heads + h) * seq_q + qi];
+        if qi < dims.seq_q {
+            row_lse = lse[(b * dims.heads + h) * dims.seq_q + qi];
+            row_delta = delta[(b * dims.heads + h) * dims.seq_q + qi];
         }
         let mut acc = Array::<f32>::new(dc);
         #[unroll]
@@ -366,7 +356,7 @@ pub(crate) fn attention_dq_kernel<F: Float>(
                 k_base,
                 strides[5usize],
                 k0,
-                seq_k,
+                dims.seq_k,
                 &mut smem_k,
                 t.cols,
                 t,
@@ -376,7 +366,7 @@ pub(crate) fn attention_dq_kernel<F: Float>(
                 v_base,
                 strides[8usize],
                 k0,
-                seq_k,
+                dims.seq_k,
                 &mut smem_v,
                 t.cols,
                 t,
@@ -387,10 +377,10 @@ pub(crate) fn attention_dq_kernel<F: Float>(
             #[unroll]
             for j in 0..sc {
                 let c = lane + j * upr;
-                let ok = qi < seq_q && allowed(qi + offset, k0 + c, klen, window, t);
+                let ok = qi < dims.seq_q && allowed(qi + offset, k0 + c, klen, dims.window, t);
                 let mut ds = 0.0f32;
                 if ok {
-                    ds = f32::exp(s[j] * scale - row_lse) * (dp[j] - row_delta);
+                    ds = f32::exp(s[j] * dims.scale - row_lse) * (dp[j] - row_delta);
                 }
                 smem_ds[row * cols + c] = ds;
             }
@@ -398,11 +388,11 @@ pub(crate) fn attention_dq_kernel<F: Float>(
             accumulate::<F>(&mut acc, &smem_ds, row, &smem_k, lane, t);
         }
 
-        if qi < seq_q {
+        if qi < dims.seq_q {
             let dq_base = b * strides[15usize] + h * strides[16usize] + qi * strides[17usize];
             #[unroll]
             for j in 0..dc {
-                dq[dq_base + lane + j * upr] = F::cast_from(acc[j] * scale);
+                dq[dq_base + lane + j * upr] = F::cast_from(acc[j] * dims.scale);
             }
         }
     }

@@ -117,28 +117,60 @@ pub struct BlockRows {
     pub reduce: RowReduce,
 }
 
+/// The problem's and the block's scalars as the row kernels take them.
+#[derive(CubeType, CubeLaunch, Clone, Copy)]
+pub(crate) struct BlockDims {
+    /// Score rows of the block: `batch · heads · rows`.
+    pub total_rows: usize,
+    pub heads: usize,
+    /// The block's query rows per batch entry and head, from `q0`.
+    pub rows: usize,
+    pub q0: usize,
+    /// The block's keys, from `k_lo`.
+    pub k_lo: usize,
+    pub keys: usize,
+    pub seq_q: usize,
+    pub seq_k: usize,
+    /// The sliding window, 0 without one.
+    pub window: usize,
+    pub scale: f32,
+}
+
+impl QueryBlock {
+    fn dims_arg<R: Runtime>(&self, p: &AttentionProblem) -> BlockDimsLaunch<R> {
+        BlockDimsLaunch::new(
+            self.score_rows(p),
+            p.heads,
+            self.rows,
+            self.q0,
+            self.k_lo,
+            self.keys,
+            p.seq_q,
+            p.seq_k,
+            p.window.unwrap_or(0),
+            p.scale,
+        )
+    }
+}
+
 /// Where a score row of the block sits: its flat row, its row in the
 /// `[batch, heads, seq_q]` statistics, its query position in the keys'
 /// frame, and the number of real keys of its batch entry.
 #[cube]
-#[allow(clippy::too_many_arguments)]
 fn row_place(
     row: usize,
     key_lengths: &Tensor<i32>,
-    heads: usize,
-    rows: usize,
-    q0: usize,
-    seq_q: usize,
-    seq_k: usize,
+    dims: &BlockDims,
     #[comptime] t: AttnTile,
 ) -> (usize, usize, usize) {
+    let (rows, heads, seq_q, seq_k) = (dims.rows, dims.heads, dims.seq_q, dims.seq_k);
     let i = row % rows;
     let h = row / rows % heads;
     let b = row / rows / heads;
-    let stat = (b * heads + h) * seq_q + q0 + i;
+    let stat = (b * heads + h) * seq_q + dims.q0 + i;
     // Only the causal and window masks read it, and those need
     // seq_k >= seq_q; otherwise it must merely not underflow.
-    let qpos = q0 + i + seq_k - select(seq_k >= seq_q, seq_q, seq_k);
+    let qpos = dims.q0 + i + seq_k - select(seq_k >= seq_q, seq_q, seq_k);
     let klen = key_count(key_lengths, b, seq_k, t);
     (stat, qpos, klen)
 }
@@ -151,24 +183,16 @@ fn block_softmax_kernel<F: Float>(
     lse: &mut Tensor<f32>,
     sinks: &Tensor<f32>,
     key_lengths: &Tensor<i32>,
-    total_rows: usize,
-    heads: usize,
-    rows: usize,
-    q0: usize,
-    k_lo: usize,
-    keys: usize,
-    seq_q: usize,
-    seq_k: usize,
-    window: usize,
-    scale: f32,
+    dims: BlockDims,
     #[comptime] t: AttnTile,
     #[comptime] cfg: BlockRows,
     #[define(F)] _dtype: StorageType,
 ) {
     let row = CUBE_POS;
-    let valid = row < total_rows;
+    let valid = row < dims.total_rows;
     let safe_row = select(valid, row, 0usize);
-    let (stat, qpos, klen) = row_place(safe_row, key_lengths, heads, rows, q0, seq_q, seq_k, t);
+    let (stat, qpos, klen) = row_place(safe_row, key_lengths, &dims, t);
+    let (keys, k_lo, window, scale) = (dims.keys, dims.k_lo, dims.window, dims.scale);
     let base = safe_row * keys;
     let units = cfg.units as usize;
     let mut scratch = SharedMemory::<f32>::new(cfg.slots as usize);
@@ -189,7 +213,7 @@ fn block_softmax_kernel<F: Float>(
     let mut row_m = row_max(m, &mut scratch, cfg.units, cfg.slots, cfg.reduce);
     let mut sink = comptime![MASKED].runtime();
     if comptime![t.sinks] {
-        sink = sinks[select(valid, row / rows % heads, 0usize)];
+        sink = sinks[select(valid, row / dims.rows % dims.heads, 0usize)];
         row_m = f32::max(row_m, sink);
     }
     // exp(MASKED − MASKED) = 1 times l = 0 for a unit that saw no key.
@@ -228,23 +252,15 @@ fn block_grad_kernel<F: Float>(
     key_lengths: &Tensor<i32>,
     probs: &mut Tensor<F>,
     dscores: &mut Tensor<F>,
-    total_rows: usize,
-    heads: usize,
-    rows: usize,
-    q0: usize,
-    k_lo: usize,
-    keys: usize,
-    seq_q: usize,
-    seq_k: usize,
-    window: usize,
-    scale: f32,
+    dims: BlockDims,
     #[comptime] t: AttnTile,
     #[comptime] cfg: BlockRows,
     #[define(F)] _dtype: StorageType,
 ) {
     let row = CUBE_POS;
-    if row < total_rows {
-        let (stat, qpos, klen) = row_place(row, key_lengths, heads, rows, q0, seq_q, seq_k, t);
+    if row < dims.total_rows {
+        let (stat, qpos, klen) = row_place(row, key_lengths, &dims, t);
+        let (keys, k_lo, window, scale) = (dims.keys, dims.k_lo, dims.window, dims.scale);
         let row_lse = lse[stat];
         let row_delta = delta[stat];
         let base = row * keys;
@@ -317,16 +333,7 @@ pub fn block_softmax<R: Runtime>(
             flat_arg(&buffers.lse, p.query_rows()),
             flat_arg(&sinks, if p.sinks { p.heads } else { 1 }),
             flat_arg(&lengths, if p.key_lengths { p.batch } else { 1 }),
-            total,
-            p.heads,
-            block.rows,
-            block.q0,
-            block.k_lo,
-            block.keys,
-            p.seq_q,
-            p.seq_k,
-            p.window.unwrap_or(0),
-            p.scale,
+            block.dims_arg::<R>(p),
             mask_tile(p, cfg.units),
             cfg,
             p.dtype.storage(),
@@ -364,16 +371,7 @@ pub fn block_grad<R: Runtime>(
             flat_arg(&lengths, if p.key_lengths { p.batch } else { 1 }),
             flat_arg(&buffers.probs, elements),
             flat_arg(&buffers.dscores, elements),
-            total,
-            p.heads,
-            block.rows,
-            block.q0,
-            block.k_lo,
-            block.keys,
-            p.seq_q,
-            p.seq_k,
-            p.window.unwrap_or(0),
-            p.scale,
+            block.dims_arg::<R>(p),
             mask_tile(p, cfg.units),
             cfg,
             p.dtype.storage(),

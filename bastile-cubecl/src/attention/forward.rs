@@ -4,6 +4,8 @@
 
 use cubecl::prelude::*;
 
+use crate::attention::AttnDims;
+
 use crate::reduce::{RowReduce, row_max, row_sum, row_sum_scratch};
 
 use super::tile::{
@@ -67,14 +69,7 @@ pub(crate) fn attention_forward_kernel<F: Float>(
     sinks: &Tensor<f32>,
     key_lengths: &Tensor<i32>,
     strides: Sequence<usize>,
-    batch: usize,
-    heads: usize,
-    group: usize,
-    seq_q: usize,
-    seq_k: usize,
-    q_blocks: usize,
-    window: usize,
-    scale: f32,
+    dims: AttnDims,
     #[comptime] t: AttnTile,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -86,12 +81,13 @@ pub(crate) fn attention_forward_kernel<F: Float>(
     // Cubes are `upr × rows` units: one row of the tile per Y.
     let row = UNIT_POS_Y as usize;
     let lane = UNIT_POS_X as usize;
-    let (b, h, qb) = cube_coords(q_blocks, heads, batch, true, t);
-    if b < batch {
-        let hk = h / group;
+    let (b, h, qb) = cube_coords(dims.blocks, dims.heads, dims.batch, true, t);
+    if b < dims.batch {
+        let hk = h / dims.group;
         let q0 = qb * rows;
-        let klen = key_count(key_lengths, b, seq_k, t);
-        let (offset, kb_first, kb_end) = query_block_keys(q0, seq_q, seq_k, klen, window, t);
+        let klen = key_count(key_lengths, b, dims.seq_k, t);
+        let (offset, kb_first, kb_end) =
+            query_block_keys(q0, dims.seq_q, dims.seq_k, klen, dims.window, t);
 
         let mut smem_q = SharedMemory::<F>::new(comptime![t.rows as usize * t.pitch as usize]);
         let mut smem_kv = SharedMemory::<F>::new(comptime![t.cols as usize * t.pitch as usize]);
@@ -111,7 +107,7 @@ pub(crate) fn attention_forward_kernel<F: Float>(
             q_base,
             strides[2usize],
             q0,
-            seq_q,
+            dims.seq_q,
             &mut smem_q,
             t.rows,
             t,
@@ -141,7 +137,7 @@ pub(crate) fn attention_forward_kernel<F: Float>(
                 k_base,
                 strides[5usize],
                 k0,
-                seq_k,
+                dims.seq_k,
                 &mut smem_kv,
                 t.cols,
                 t,
@@ -151,8 +147,9 @@ pub(crate) fn attention_forward_kernel<F: Float>(
             let mut block_max = comptime![MASKED].runtime();
             #[unroll]
             for j in 0..sc {
-                let ok = qi < seq_q && allowed(qpos, k0 + lane + j * upr, klen, window, t);
-                s[j] = select(ok, s[j] * scale, MASKED);
+                let ok =
+                    qi < dims.seq_q && allowed(qpos, k0 + lane + j * upr, klen, dims.window, t);
+                s[j] = select(ok, s[j] * dims.scale, MASKED);
                 block_max = f32::max(block_max, s[j]);
             }
             let m_new = f32::max(
@@ -179,7 +176,7 @@ pub(crate) fn attention_forward_kernel<F: Float>(
                 v_base,
                 strides[8usize],
                 k0,
-                seq_k,
+                dims.seq_k,
                 &mut smem_kv,
                 t.cols,
                 t,
@@ -188,7 +185,7 @@ pub(crate) fn attention_forward_kernel<F: Float>(
             accumulate::<F>(&mut acc, &smem_p, row, &smem_kv, lane, t);
         }
 
-        if qi < seq_q {
+        if qi < dims.seq_q {
             // A row that sees no key (and has no sink) outputs zeros, as
             // Burn's masked softmax does.
             let inv = select(l > 0.0f32, 1.0f32 / l, 0.0f32);
@@ -198,7 +195,8 @@ pub(crate) fn attention_forward_kernel<F: Float>(
                 out[o_base + lane + j * upr] = F::cast_from(acc[j] * inv);
             }
             if lane == 0 {
-                lse[(b * heads + h) * seq_q + qi] = select(l > 0.0f32, m + f32::ln(l), MASKED);
+                lse[(b * dims.heads + h) * dims.seq_q + qi] =
+                    select(l > 0.0f32, m + f32::ln(l), MASKED);
             }
         }
     }

@@ -116,6 +116,39 @@ impl AttentionProblem {
     fn pitch(&self) -> u32 {
         (self.head_dim + 4 / self.dtype.size()) as u32
     }
+
+    /// The kernels' [`AttnDims`] for cubes that own `blocks` blocks of rows
+    /// per (batch, head).
+    fn dims_arg<R: Runtime>(&self, blocks: usize) -> AttnDimsLaunch<R> {
+        AttnDimsLaunch::new(
+            self.batch,
+            self.heads,
+            self.group(),
+            self.seq_q,
+            self.seq_k,
+            blocks,
+            self.window.unwrap_or(0),
+            self.scale,
+        )
+    }
+}
+
+/// The problem's scalars as the flash kernels (tiled and tensor-core,
+/// forward and backward) take them.
+#[derive(CubeType, CubeLaunch, Clone, Copy)]
+pub(crate) struct AttnDims {
+    pub batch: usize,
+    pub heads: usize,
+    /// Query heads per key/value head.
+    pub group: usize,
+    pub seq_q: usize,
+    pub seq_k: usize,
+    /// Blocks of rows per (batch, head) along the sequence the cubes own
+    /// (queries or keys).
+    pub blocks: usize,
+    /// The sliding window, 0 without one.
+    pub window: usize,
+    pub scale: f32,
 }
 
 /// A `[batch, heads, seq, head_dim]` tensor: its buffer and its batch, head
@@ -331,14 +364,7 @@ pub fn forward_with<R: Runtime>(
             flat_arg(&sinks, p.heads),
             flat_arg(&lengths, p.batch),
             strides,
-            p.batch,
-            p.heads,
-            p.group(),
-            p.seq_q,
-            p.seq_k,
-            q_blocks,
-            p.window.unwrap_or(0),
-            p.scale,
+            p.dims_arg::<R>(q_blocks),
             t,
             p.dtype.storage(),
         )
@@ -385,14 +411,7 @@ pub fn backward_with<R: Runtime>(
             b.dk.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
             b.dv.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
             strides(),
-            p.batch,
-            p.heads,
-            p.group(),
-            p.seq_q,
-            p.seq_k,
-            k_blocks,
-            p.window.unwrap_or(0),
-            p.scale,
+            p.dims_arg::<R>(k_blocks),
             t,
             p.dtype.storage(),
         );
@@ -410,14 +429,7 @@ pub fn backward_with<R: Runtime>(
             lengths_arg(),
             b.dq.arg(p.batch, p.heads, p.seq_q, p.head_dim),
             strides(),
-            p.batch,
-            p.heads,
-            p.group(),
-            p.seq_q,
-            p.seq_k,
-            q_blocks,
-            p.window.unwrap_or(0),
-            p.scale,
+            p.dims_arg::<R>(q_blocks),
             t,
             p.dtype.storage(),
         );

@@ -19,6 +19,8 @@
 use cubecl::prelude::barrier::{Barrier, copy_async};
 use cubecl::prelude::*;
 
+use crate::attention::AttnDims;
+
 use super::super::backward::query_block_range;
 use super::super::forward::query_block_keys;
 use super::super::tile::{AttnTile, allowed, cube_coords, key_count};
@@ -333,14 +335,7 @@ pub(crate) fn mma_dkdv_kernel<F: Float, N: Size>(
     dk: &mut Tensor<Vector<F, N>>,
     dv: &mut Tensor<Vector<F, N>>,
     strides: Sequence<usize>,
-    batch: usize,
-    heads: usize,
-    group: usize,
-    seq_q: usize,
-    seq_k: usize,
-    k_blocks: usize,
-    window: usize,
-    scale: f32,
+    dims: AttnDims,
     #[comptime] t: AttnTile,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -352,14 +347,14 @@ pub(crate) fn mma_dkdv_kernel<F: Float, N: Size>(
     let sn = comptime![t.cols as usize / 8];
     let lane = UNIT_POS_PLANE as usize;
     let plane = UNIT_POS as usize / 32;
-    let kv_heads = heads / group;
-    let (b, hk, kb) = cube_coords(k_blocks, kv_heads, batch, false, t);
-    if b < batch {
+    let kv_heads = dims.heads / dims.group;
+    let (b, hk, kb) = cube_coords(dims.blocks, kv_heads, dims.batch, false, t);
+    if b < dims.batch {
         let k0 = kb * rows;
-        let klen = key_count(key_lengths, b, seq_k, t);
-        let offset = seq_k - seq_q;
-        let k_last = select(k0 + rows < seq_k, k0 + rows, seq_k) - 1;
-        let (qb_first, qb_end) = query_block_range(k0, k_last, seq_q, offset, window, t);
+        let klen = key_count(key_lengths, b, dims.seq_k, t);
+        let offset = dims.seq_k - dims.seq_q;
+        let k_last = select(k0 + rows < dims.seq_k, k0 + rows, dims.seq_k) - 1;
+        let (qb_first, qb_end) = query_block_range(k0, k_last, dims.seq_q, offset, dims.window, t);
 
         let mut smem_k =
             SharedMemory::<Vector<F, N>>::new_aligned(comptime![rows * pitch], 16usize);
@@ -381,7 +376,7 @@ pub(crate) fn mma_dkdv_kernel<F: Float, N: Size>(
             b,
             hk,
             k0,
-            seq_k,
+            dims.seq_k,
             &mut smem_k,
             &mut smem_v,
             t,
@@ -394,7 +389,7 @@ pub(crate) fn mma_dkdv_kernel<F: Float, N: Size>(
 
         // Every (query head of the group, query block) in one sequence.
         let blocks = select(qb_end > qb_first, qb_end - qb_first, 0usize);
-        let total = group * blocks;
+        let total = dims.group * blocks;
         if total > 0 {
             copy_queries::<F, N>(
                 q,
@@ -403,12 +398,12 @@ pub(crate) fn mma_dkdv_kernel<F: Float, N: Size>(
                 delta,
                 &strides,
                 b,
-                hk * group,
-                heads,
+                hk * dims.group,
+                dims.heads,
                 qb_first,
                 blocks,
                 0usize,
-                seq_q,
+                dims.seq_q,
                 &mut smem_q,
                 &mut smem_do,
                 &mut smem_stat,
@@ -427,12 +422,12 @@ pub(crate) fn mma_dkdv_kernel<F: Float, N: Size>(
                     delta,
                     &strides,
                     b,
-                    hk * group,
-                    heads,
+                    hk * dims.group,
+                    dims.heads,
                     qb_first,
                     blocks,
                     i + 1,
-                    seq_q,
+                    dims.seq_q,
                     &mut smem_q,
                     &mut smem_do,
                     &mut smem_stat,
@@ -445,8 +440,16 @@ pub(crate) fn mma_dkdv_kernel<F: Float, N: Size>(
             let mut p = products::<F, N>(&smem_k, row0, &smem_q, first, 1usize, sn, ksteps, pitch);
             let mut ds =
                 products::<F, N>(&smem_v, row0, &smem_do, first, 1usize, sn, ksteps, pitch);
-            let q_last = select(q0 + cols < seq_q, q0 + cols, seq_q) - 1;
-            let full = block_full(q0 + offset, q_last + offset, k0, k_last, klen, window, t);
+            let q_last = select(q0 + cols < dims.seq_q, q0 + cols, dims.seq_q) - 1;
+            let full = block_full(
+                q0 + offset,
+                q_last + offset,
+                k0,
+                k_last,
+                klen,
+                dims.window,
+                t,
+            );
             softmax_grads(
                 &mut p,
                 &mut ds,
@@ -457,8 +460,8 @@ pub(crate) fn mma_dkdv_kernel<F: Float, N: Size>(
                 key_top,
                 full,
                 klen,
-                window,
-                scale,
+                dims.window,
+                dims.scale,
                 1usize,
                 sn,
                 t,
@@ -473,8 +476,8 @@ pub(crate) fn mma_dkdv_kernel<F: Float, N: Size>(
             &mut smem_k,
             row0,
             0usize,
-            scale,
-            scale,
+            dims.scale,
+            dims.scale,
             0usize,
             vecs,
             pitch,
@@ -492,7 +495,7 @@ pub(crate) fn mma_dkdv_kernel<F: Float, N: Size>(
         );
         sync_plane();
         store_dk_dv::<F, N>(
-            &smem_k, &smem_v, dk, dv, &strides, b, hk, k0, row0, seq_k, t,
+            &smem_k, &smem_v, dk, dv, &strides, b, hk, k0, row0, dims.seq_k, t,
         );
     }
 }
@@ -509,14 +512,7 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
     key_lengths: &Tensor<i32>,
     dq: &mut Tensor<Vector<F, N>>,
     strides: Sequence<usize>,
-    batch: usize,
-    heads: usize,
-    group: usize,
-    seq_q: usize,
-    seq_k: usize,
-    q_blocks: usize,
-    window: usize,
-    scale: f32,
+    dims: AttnDims,
     #[comptime] t: AttnTile,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -529,13 +525,14 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
     let sn = comptime![t.cols as usize / 8];
     let lane = UNIT_POS_PLANE as usize;
     let plane = UNIT_POS as usize / 32;
-    let (b, h, qb) = cube_coords(q_blocks, heads, batch, true, t);
-    if b < batch {
-        let hk = h / group;
+    let (b, h, qb) = cube_coords(dims.blocks, dims.heads, dims.batch, true, t);
+    if b < dims.batch {
+        let hk = h / dims.group;
         let q0 = qb * rows;
-        let klen = key_count(key_lengths, b, seq_k, t);
-        let (offset, kb_first, kb_end) = query_block_keys(q0, seq_q, seq_k, klen, window, t);
-        let q_last = select(q0 + rows < seq_q, q0 + rows, seq_q) - 1;
+        let klen = key_count(key_lengths, b, dims.seq_k, t);
+        let (offset, kb_first, kb_end) =
+            query_block_keys(q0, dims.seq_q, dims.seq_k, klen, dims.window, t);
+        let q_last = select(q0 + rows < dims.seq_q, q0 + rows, dims.seq_q) - 1;
 
         let mut smem_q =
             SharedMemory::<Vector<F, N>>::new_aligned(comptime![rows * pitch], 16usize);
@@ -556,7 +553,7 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
             q_base,
             strides[2usize],
             q0,
-            seq_q,
+            dims.seq_q,
             &mut smem_q,
             rows,
             vecs,
@@ -567,7 +564,7 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
             do_base,
             strides[14usize],
             q0,
-            seq_q,
+            dims.seq_q,
             &mut smem_do,
             rows,
             vecs,
@@ -577,7 +574,7 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
         let row0 = plane * 16;
         let top = q0 + row0 + lane / 4;
         let col = (lane % 4) * 2;
-        let stat = (b * heads + h) * seq_q;
+        let stat = (b * dims.heads + h) * dims.seq_q;
         // `−lse` and `Δ` of the lane's two rows (scalars: this kernel has
         // no registers to spare for broadcast pairs).
         let mut neg_lse = Array::<f32>::new(2usize);
@@ -585,7 +582,7 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
         #[unroll]
         for r in 0..2usize {
             let row = top + r * 8;
-            let real = row < seq_q;
+            let real = row < dims.seq_q;
             let at = select(real, stat + row, 0usize);
             neg_lse[r] = -select(real, lse[at], NO_ROW);
             delta_r[r] = select(real, delta[at], 0.0f32);
@@ -600,7 +597,7 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
                 v_base,
                 &strides,
                 kb_first * cols,
-                seq_k,
+                dims.seq_k,
                 &mut smem_k,
                 &mut smem_v,
                 0usize,
@@ -620,7 +617,7 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
                     v_base,
                     &strides,
                     k0 + cols,
-                    seq_k,
+                    dims.seq_k,
                     &mut smem_k,
                     &mut smem_v,
                     cols - stage,
@@ -632,7 +629,15 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
             let mut ds =
                 products::<F, N>(&smem_do, row0, &smem_v, stage, 1usize, sn, ksteps, pitch);
             let k_last = k0 + cols - 1;
-            let full = block_full(q0 + offset, q_last + offset, k0, k_last, klen, window, t);
+            let full = block_full(
+                q0 + offset,
+                q_last + offset,
+                k0,
+                k_last,
+                klen,
+                dims.window,
+                t,
+            );
             #[unroll]
             for nt in 0..sn {
                 let s_acc = s.index(nt);
@@ -643,10 +648,10 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
                     let mut dr = d_acc[r];
                     #[unroll]
                     for e in 0..2usize {
-                        let mut x = f32::exp(fma(sr[e], scale, neg_lse[r]));
+                        let mut x = f32::exp(fma(sr[e], dims.scale, neg_lse[r]));
                         if !full {
                             let key = k0 + nt * 8 + col + e;
-                            let ok = allowed(top + r * 8 + offset, key, klen, window, t);
+                            let ok = allowed(top + r * 8 + offset, key, klen, dims.window, t);
                             x = select(ok, x, 0.0f32);
                         }
                         dr[e] = x * (dr[e] - delta_r[r]);
@@ -662,8 +667,8 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
             &mut smem_q,
             row0,
             0usize,
-            scale,
-            scale,
+            dims.scale,
+            dims.scale,
             0usize,
             vecs,
             pitch,
@@ -676,7 +681,7 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
             b * strides[15usize] + h * strides[16usize],
             strides[17usize],
             q0 + row0,
-            seq_q,
+            dims.seq_q,
             vecs,
         );
     }

@@ -10,6 +10,8 @@
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
+use crate::attention::AttnDims;
+
 use super::super::forward::query_block_keys;
 use super::super::tile::{AttnTile, MASKED, MASKED_BELOW, allowed, cube_coords, key_count};
 use super::fragment::{
@@ -30,14 +32,7 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
     sinks: &Tensor<f32>,
     key_lengths: &Tensor<i32>,
     strides: Sequence<usize>,
-    batch: usize,
-    heads: usize,
-    group: usize,
-    seq_q: usize,
-    seq_k: usize,
-    q_blocks: usize,
-    window: usize,
-    scale: f32,
+    dims: AttnDims,
     #[comptime] t: AttnTile,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -53,13 +48,14 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
     let rl = comptime![2 * mt];
     let lane = UNIT_POS_PLANE as usize;
     let plane = UNIT_POS as usize / 32;
-    let (b, h, qb) = cube_coords(q_blocks, heads, batch, true, t);
-    if b < batch {
-        let hk = h / group;
+    let (b, h, qb) = cube_coords(dims.blocks, dims.heads, dims.batch, true, t);
+    if b < dims.batch {
+        let hk = h / dims.group;
         let q0 = qb * rows;
-        let klen = key_count(key_lengths, b, seq_k, t);
-        let (offset, kb_first, kb_end) = query_block_keys(q0, seq_q, seq_k, klen, window, t);
-        let q_last = select(q0 + rows < seq_q, q0 + rows, seq_q) - 1;
+        let klen = key_count(key_lengths, b, dims.seq_k, t);
+        let (offset, kb_first, kb_end) =
+            query_block_keys(q0, dims.seq_q, dims.seq_k, klen, dims.window, t);
+        let q_last = select(q0 + rows < dims.seq_q, q0 + rows, dims.seq_q) - 1;
 
         let mut smem_q =
             SharedMemory::<Vector<F, N>>::new_aligned(comptime![rows * pitch], 16usize);
@@ -79,7 +75,7 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
             q_base,
             strides[2usize],
             q0,
-            seq_q,
+            dims.seq_q,
             &mut smem_q,
             rows,
             vecs,
@@ -125,7 +121,7 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
                 v_base,
                 &strides,
                 kb_first * cols,
-                seq_k,
+                dims.seq_k,
                 &mut smem_k,
                 &mut smem_v,
                 0usize,
@@ -146,7 +142,7 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
                     v_base,
                     &strides,
                     k0 + cols,
-                    seq_k,
+                    dims.seq_k,
                     &mut smem_k,
                     &mut smem_v,
                     cols - stage,
@@ -164,7 +160,7 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
                 k0,
                 k0 + cols - 1,
                 klen,
-                window,
+                dims.window,
                 t,
             );
             let mut blk = Array::<f32>::new(rl);
@@ -178,11 +174,11 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
                 scale_scores(
                     &mut s,
                     &mut blk,
-                    scale,
+                    dims.scale,
                     k0,
                     top + offset,
                     klen,
-                    window,
+                    dims.window,
                     false,
                     mt,
                     t,
@@ -191,11 +187,11 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
                 scale_scores(
                     &mut s,
                     &mut blk,
-                    scale,
+                    dims.scale,
                     k0,
                     top + offset,
                     klen,
-                    window,
+                    dims.window,
                     true,
                     mt,
                     t,
@@ -306,17 +302,17 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
                 b * strides[9usize] + h * strides[10usize],
                 strides[11usize],
                 q0 + row0 + m * 16,
-                seq_q,
+                dims.seq_q,
                 vecs,
             );
         }
         if col == 0 {
-            let stat = (b * heads + h) * seq_q;
+            let stat = (b * dims.heads + h) * dims.seq_q;
             #[unroll]
             for r in 0..rl {
                 let row = top + (r / 2) * 16 + (r % 2) * 8;
                 let l = l_run[r];
-                if row < seq_q {
+                if row < dims.seq_q {
                     lse[stat + row] = select(l > 0.0f32, m_run[r] + f32::ln(l), MASKED);
                 }
             }

@@ -24,6 +24,8 @@
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
+use crate::attention::AttnDims;
+
 use super::super::backward::query_block_range;
 use super::super::tile::{AttnTile, cube_coords, key_count};
 use super::backward::{Stat, copy_queries, load_keys_values, softmax_grads, store_dk_dv};
@@ -133,14 +135,7 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
     dv: &mut Tensor<Vector<F, N>>,
     dq_acc: &mut Tensor<Atomic<Quad>>,
     strides: Sequence<usize>,
-    batch: usize,
-    heads: usize,
-    group: usize,
-    seq_q: usize,
-    seq_k: usize,
-    k_blocks: usize,
-    window: usize,
-    scale: f32,
+    dims: AttnDims,
     #[comptime] t: AttnTile,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -161,14 +156,14 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
     let p_pitch = comptime![t.cols as usize / 8 + 1];
     let lane = UNIT_POS_PLANE as usize;
     let plane = UNIT_POS as usize / 32;
-    let kv_heads = heads / group;
-    let (b, hk, kb) = cube_coords(k_blocks, kv_heads, batch, false, t);
-    if b < batch {
+    let kv_heads = dims.heads / dims.group;
+    let (b, hk, kb) = cube_coords(dims.blocks, kv_heads, dims.batch, false, t);
+    if b < dims.batch {
         let k0 = kb * rows;
-        let klen = key_count(key_lengths, b, seq_k, t);
-        let offset = seq_k - seq_q;
-        let k_last = select(k0 + rows < seq_k, k0 + rows, seq_k) - 1;
-        let (qb_first, qb_end) = query_block_range(k0, k_last, seq_q, offset, window, t);
+        let klen = key_count(key_lengths, b, dims.seq_k, t);
+        let offset = dims.seq_k - dims.seq_q;
+        let k_last = select(k0 + rows < dims.seq_k, k0 + rows, dims.seq_k) - 1;
+        let (qb_first, qb_end) = query_block_range(k0, k_last, dims.seq_q, offset, dims.window, t);
 
         let mut smem_k =
             SharedMemory::<Vector<F, N>>::new_aligned(comptime![rows * pitch], 16usize);
@@ -196,7 +191,7 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
             b,
             hk,
             k0,
-            seq_k,
+            dims.seq_k,
             &mut smem_k,
             &mut smem_v,
             t,
@@ -216,7 +211,7 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
 
         // Every (query head of the group, query block) in one sequence.
         let blocks = select(qb_end > qb_first, qb_end - qb_first, 0usize);
-        let total = group * blocks;
+        let total = dims.group * blocks;
         if total > 0 {
             copy_queries::<F, N>(
                 q,
@@ -225,12 +220,12 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
                 delta,
                 &strides,
                 b,
-                hk * group,
-                heads,
+                hk * dims.group,
+                dims.heads,
                 qb_first,
                 blocks,
                 0usize,
-                seq_q,
+                dims.seq_q,
                 &mut smem_q,
                 &mut smem_do,
                 &mut smem_stat,
@@ -250,19 +245,19 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
                     delta,
                     &strides,
                     b,
-                    hk * group,
-                    heads,
+                    hk * dims.group,
+                    dims.heads,
                     qb_first,
                     blocks,
                     i + 1,
-                    seq_q,
+                    dims.seq_q,
                     &mut smem_q,
                     &mut smem_do,
                     &mut smem_stat,
                     t,
                 );
             }
-            let h = hk * group + i / blocks;
+            let h = hk * dims.group + i / blocks;
             let q0 = (qb_first + i % blocks) * cols;
             let first = (i % 2) * cols;
 
@@ -287,7 +282,7 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
                 ksteps,
                 pitch,
             );
-            let q_last = select(q0 + cols < seq_q, q0 + cols, seq_q) - 1;
+            let q_last = select(q0 + cols < dims.seq_q, q0 + cols, dims.seq_q) - 1;
             // Keys past the sequence (zero rows of the tiles) count as
             // outside the block, so the mask zeroes their probabilities
             // and no overflow of theirs reaches dQ.
@@ -297,7 +292,7 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
                 k0,
                 k0 + rows - 1,
                 klen,
-                window,
+                dims.window,
                 t,
             );
             softmax_grads(
@@ -310,8 +305,8 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
                 key_top,
                 full,
                 klen,
-                window,
-                scale,
+                dims.window,
+                dims.scale,
                 2usize,
                 sn,
                 t,
@@ -375,10 +370,10 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
                 &acc_q,
                 &mut smem_dq,
                 dq_acc,
-                (b * heads + h) * seq_q,
+                (b * dims.heads + h) * dims.seq_q,
                 q0 + qrow,
                 dcol,
-                seq_q,
+                dims.seq_q,
                 qn,
                 d,
             );
@@ -395,8 +390,8 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
                 &mut smem_k,
                 r,
                 half_d,
-                scale,
-                scale,
+                dims.scale,
+                dims.scale,
                 m * dn,
                 dn,
                 pitch,
@@ -416,7 +411,7 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
         sync_cube();
         let row0 = plane * 16;
         store_dk_dv::<F, N>(
-            &smem_k, &smem_v, dk, dv, &strides, b, hk, k0, row0, seq_k, t,
+            &smem_k, &smem_v, dk, dv, &strides, b, hk, k0, row0, dims.seq_k, t,
         );
     }
 }

@@ -1,0 +1,272 @@
+//! Matmul on `CubeBackend`: cuBLASLt on the CUDA runtime, the inner
+//! backend's own matmul everywhere else and for whatever cuBLASLt declines.
+
+use burn::tensor::ops::FloatTensorOps;
+use burn::tensor::{DType, Shape, TensorMetadata};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+
+use crate::fused::{DeviceQuery, kernel, kernel_dtype};
+
+/// Whether cuBLASLt takes `dtype` on a device: only for the CUDA runtime,
+/// and only once the library has loaded there.
+pub struct MatmulQuery {
+    pub dtype: DType,
+}
+
+impl DeviceQuery for MatmulQuery {
+    type Answer = bool;
+
+    fn ask<R: CubeRuntime>(&self, device: &R::Device) -> bool {
+        kernel_dtype(self.dtype).is_some()
+            && cuda::device_index::<R>(device).is_some_and(cuda::available)
+    }
+}
+
+/// `lhs · rhs (+ bias)`, the inputs in that order.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Matmul {
+    pub has_bias: bool,
+}
+
+kernel!(Matmul, "bastile_matmul", |op, mut floats, _| {
+    let bias = op.has_bias.then(|| floats.pop().expect("the bias input"));
+    let rhs = floats.pop().expect("the rhs input");
+    let lhs = floats.pop().expect("the lhs input");
+    vec![matmul::<R, F, I, BT>(lhs, rhs, bias)]
+});
+
+/// `lhs · rhs` written in `out_dtype` (the operands' or f32) on cuBLASLt
+/// when the `matmul` patch is on and cuBLASLt takes it; `None` otherwise
+/// (the caller keeps its own matmul). For kernels that multiply inside a
+/// larger op, such as the fused linear cross-entropy's chunks.
+pub(crate) fn matmul_blas<R: CubeRuntime>(
+    lhs: &CubeTensor<R>,
+    rhs: &CubeTensor<R>,
+    out_dtype: DType,
+) -> Option<CubeTensor<R>> {
+    if !crate::patches::is_enabled(crate::patches::Op::Matmul) {
+        return None;
+    }
+    cuda::matmul(lhs, rhs, None, out_dtype)
+}
+
+/// `acc += lhs · rhs` on cuBLASLt (the sum in the product's epilogue) when
+/// the `matmul` patch is on and cuBLASLt takes it; `false` otherwise, with
+/// nothing written. `acc` is an f32 contiguous tensor of the product's
+/// shape that the caller holds alone (it is written in place).
+pub(crate) fn matmul_blas_accumulate<R: CubeRuntime>(
+    lhs: &CubeTensor<R>,
+    rhs: &CubeTensor<R>,
+    acc: &CubeTensor<R>,
+) -> bool {
+    crate::patches::is_enabled(crate::patches::Op::Matmul) && cuda::accumulate(lhs, rhs, acc)
+}
+
+/// `lhs · rhs (+ bias over the last dimension)`.
+fn matmul<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    lhs: CubeTensor<R>,
+    rhs: CubeTensor<R>,
+    bias: Option<CubeTensor<R>>,
+) -> CubeTensor<R> {
+    match cuda::matmul(&lhs, &rhs, bias.as_ref(), lhs.dtype) {
+        Some(out) => out,
+        None => {
+            type Inner<R, F, I, BT> = CubeBackend<R, F, I, BT>;
+            let out = Inner::<R, F, I, BT>::float_matmul(lhs, rhs);
+            match bias {
+                Some(bias) => {
+                    let mut shape = vec![1; out.shape().num_dims()];
+                    *shape.last_mut().expect("rank >= 2") = bias.shape().num_elements();
+                    let bias = Inner::<R, F, I, BT>::float_reshape(bias, Shape::from(shape));
+                    Inner::<R, F, I, BT>::float_add(out, bias)
+                }
+                None => out,
+            }
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use core::any::Any;
+
+    use burn::tensor::TensorMetadata;
+    use burn_cubecl::CubeRuntime;
+    use burn_cubecl::kernel::into_contiguous;
+    use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+    use burn_cubecl::tensor::CubeTensor;
+    use cubecl::cuda::{CudaDevice, CudaRuntime};
+    use cubecl::prelude::ComputeClient;
+
+    use bastile_cubecl::cublaslt::{self, GemmBuffers, GemmDtypes};
+    use bastile_cubecl::gemm_layout::{GemmPlan, PlanError, plan_matmul};
+    use bastile_cubecl::{FloatDtype, KernelError};
+    use burn::tensor::DType;
+
+    use crate::fused::kernel_dtype;
+
+    pub fn device_index<R: CubeRuntime>(device: &R::Device) -> Option<usize> {
+        (device as &dyn Any)
+            .downcast_ref::<CudaDevice>()
+            .map(|d| d.index)
+    }
+
+    pub fn available(index: usize) -> bool {
+        cublaslt::available(index)
+    }
+
+    fn plan<R: CubeRuntime>(
+        lhs: &CubeTensor<R>,
+        rhs: &CubeTensor<R>,
+    ) -> Result<GemmPlan, PlanError> {
+        plan_matmul(
+            &lhs.shape(),
+            lhs.meta.strides(),
+            &rhs.shape(),
+            rhs.meta.strides(),
+        )
+    }
+
+    /// The operands of one product as cuBLASLt can read them, with their
+    /// plan, dtype and CUDA client.
+    struct Operands<'a, R: CubeRuntime> {
+        index: usize,
+        client: &'a ComputeClient<CudaRuntime>,
+        lhs: CubeTensor<R>,
+        rhs: CubeTensor<R>,
+        dtype: FloatDtype,
+        plan: GemmPlan,
+    }
+
+    impl<'a, R: CubeRuntime> Operands<'a, R> {
+        /// `None` when this is not the CUDA runtime, the dtypes differ or
+        /// are not kernel dtypes, or the shapes do not match (the inner
+        /// backend then reports them its usual way).
+        fn new(lhs: &'a CubeTensor<R>, rhs: &CubeTensor<R>) -> Option<Self> {
+            let index = device_index::<R>(&lhs.device)?;
+            let client = (&lhs.client as &dyn Any).downcast_ref::<ComputeClient<CudaRuntime>>()?;
+            let dtype = kernel_dtype(lhs.dtype)?;
+            if rhs.dtype != lhs.dtype {
+                return None;
+            }
+            // Strides BLAS cannot read in place (broadcast rows, scattered
+            // batches) are copied once into a contiguous layout.
+            let (lhs, rhs, plan) = match plan(lhs, rhs) {
+                Ok(p) => (lhs.clone(), rhs.clone(), p),
+                Err(PlanError::Layout(_)) => {
+                    let (l, r) = (into_contiguous(lhs.clone()), into_contiguous(rhs.clone()));
+                    let p = plan(&l, &r).ok()?;
+                    (l, r, p)
+                }
+                Err(PlanError::Shape(_)) => return None,
+            };
+            Some(Self {
+                index,
+                client,
+                lhs,
+                rhs,
+                dtype,
+                plan,
+            })
+        }
+
+        /// Writes (or with `accumulate`, adds) the product into `out`;
+        /// `false` when cuBLASLt declines it (nothing was written).
+        fn run(
+            &self,
+            out: &CubeTensor<R>,
+            out_dtype: FloatDtype,
+            bias: Option<&CubeTensor<R>>,
+            accumulate: bool,
+        ) -> bool {
+            let dtypes = GemmDtypes {
+                operands: self.dtype,
+                out: out_dtype,
+            };
+            let buffers = GemmBuffers {
+                lhs: &self.lhs.handle,
+                rhs: &self.rhs.handle,
+                bias: bias.map(|b| &b.handle),
+                out: &out.handle,
+                accumulate,
+            };
+            match cublaslt::gemm(self.client, self.index, dtypes, &self.plan, buffers) {
+                Ok(()) => true,
+                Err(KernelError::Unsupported(_)) => false,
+                Err(e) => panic!("cuBLASLt matmul failed: {e}"),
+            }
+        }
+    }
+
+    /// `None` when this is not the CUDA runtime or cuBLASLt declines the
+    /// problem; the caller then takes the inner backend's matmul.
+    pub fn matmul<R: CubeRuntime>(
+        lhs: &CubeTensor<R>,
+        rhs: &CubeTensor<R>,
+        bias: Option<&CubeTensor<R>>,
+        out_dtype: burn::tensor::DType,
+    ) -> Option<CubeTensor<R>> {
+        if bias.is_some_and(|b| b.dtype != lhs.dtype) {
+            return None;
+        }
+        let out_kernel_dtype = kernel_dtype(out_dtype)?;
+        let ops = Operands::new(lhs, rhs)?;
+        let bias = bias.map(|b| into_contiguous(b.clone()));
+        let out = empty_device_contiguous_dtype(
+            ops.lhs.client.clone(),
+            ops.lhs.device.clone(),
+            ops.plan.out_shape.clone().into(),
+            out_dtype,
+        );
+        ops.run(&out, out_kernel_dtype, bias.as_ref(), false)
+            .then_some(out)
+    }
+
+    /// `acc += lhs · rhs`; `false` when `acc` is not an f32 contiguous
+    /// tensor of the product's shape or cuBLASLt declines the problem.
+    pub fn accumulate<R: CubeRuntime>(
+        lhs: &CubeTensor<R>,
+        rhs: &CubeTensor<R>,
+        acc: &CubeTensor<R>,
+    ) -> bool {
+        let Some(ops) = Operands::new(lhs, rhs) else {
+            return false;
+        };
+        acc.dtype == DType::F32
+            && acc.shape().as_slice() == ops.plan.out_shape.as_slice()
+            && acc.is_contiguous()
+            && ops.run(acc, FloatDtype::F32, None, true)
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod cuda {
+    use burn_cubecl::CubeRuntime;
+    use burn_cubecl::tensor::CubeTensor;
+
+    pub fn device_index<R: CubeRuntime>(_device: &R::Device) -> Option<usize> {
+        None
+    }
+
+    pub fn available(_index: usize) -> bool {
+        false
+    }
+
+    pub fn matmul<R: CubeRuntime>(
+        _lhs: &CubeTensor<R>,
+        _rhs: &CubeTensor<R>,
+        _bias: Option<&CubeTensor<R>>,
+        _out_dtype: burn::tensor::DType,
+    ) -> Option<CubeTensor<R>> {
+        None
+    }
+
+    pub fn accumulate<R: CubeRuntime>(
+        _lhs: &CubeTensor<R>,
+        _rhs: &CubeTensor<R>,
+        _acc: &CubeTensor<R>,
+    ) -> bool {
+        false
+    }
+}

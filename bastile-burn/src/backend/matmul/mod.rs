@@ -1,0 +1,103 @@
+//! Matmul and `linear` on the inner backend's BLAS path (cuBLASLt on
+//! CUDA, `kernel.rs`) when the `matmul` patch is on and the backend has
+//! one; `B`'s own ops otherwise.
+
+mod kernel;
+
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Shape, TensorMetadata};
+
+use crate::fused::{KernelBackend, TensorSpec, unpack};
+use crate::patches::{Op, is_enabled};
+use kernel::Matmul;
+pub use kernel::MatmulQuery;
+pub(crate) use kernel::{matmul_blas, matmul_blas_accumulate};
+
+fn use_blas<B: KernelBackend>(t: &FloatTensor<B>) -> bool {
+    let query = MatmulQuery { dtype: t.dtype() };
+    is_enabled(Op::Matmul) && B::ask(&B::float_device(t), &query).unwrap_or(false)
+}
+
+/// `lhs · rhs (+ bias)` on the BLAS (Burn's `float_matmul` semantics: equal
+/// ranks, batch dimensions broadcast; problems the BLAS declines take the
+/// backend's own matmul).
+fn blas<B: KernelBackend>(
+    lhs: FloatTensor<B>,
+    rhs: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+) -> FloatTensor<B> {
+    // Burn's tensor API validated the shapes before the backend call.
+    let shape = burn_std::calculate_matmul_output(&lhs.shape(), &rhs.shape())
+        .expect("matmul shapes validated by the tensor API");
+    let outputs = vec![TensorSpec::new(shape, lhs.dtype())];
+    let kernel = Matmul {
+        has_bias: bias.is_some(),
+    };
+    let inputs = [lhs, rhs].into_iter().chain(bias).collect();
+    let [out] = unpack(B::launch(&kernel, inputs, vec![], outputs));
+    out
+}
+
+pub(super) fn matmul<B: KernelBackend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
+    if use_blas::<B>(&lhs) {
+        blas::<B>(lhs, rhs, None)
+    } else {
+        B::float_matmul(lhs, rhs)
+    }
+}
+
+/// `t` as a matrix `[rows, last]`.
+fn flatten<B: KernelBackend>(t: FloatTensor<B>) -> (FloatTensor<B>, Shape) {
+    let shape = t.shape();
+    let last = shape[shape.num_dims() - 1];
+    let rows = shape.num_elements() / last.max(1);
+    (B::float_reshape(t, Shape::new([rows, last])), shape)
+}
+
+/// `t` `[rows, n]` back to `shape` with its last dimension `n`.
+fn unflatten<B: KernelBackend>(t: FloatTensor<B>, mut shape: Shape) -> FloatTensor<B> {
+    let d = shape.num_dims() - 1;
+    shape[d] = t.shape()[1];
+    B::float_reshape(t, shape)
+}
+
+/// `x [.., in] · weight [in, out] + bias`: one matrix product over every
+/// row, the bias added in the BLAS epilogue.
+pub(super) fn linear<B: KernelBackend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+) -> FloatTensor<B> {
+    if !use_blas::<B>(&x) {
+        return B::linear(x, weight, bias);
+    }
+    let (x, shape) = flatten::<B>(x);
+    unflatten::<B>(blas::<B>(x, weight, bias), shape)
+}
+
+/// `dx = dy [.., out] · weightᵀ`.
+pub(super) fn linear_x_backward<B: KernelBackend>(
+    weight: FloatTensor<B>,
+    output_grad: FloatTensor<B>,
+) -> FloatTensor<B> {
+    if !use_blas::<B>(&output_grad) {
+        return B::linear_x_backward(weight, output_grad);
+    }
+    let (dy, shape) = flatten::<B>(output_grad);
+    let weight_t = B::float_swap_dims(weight, 0, 1);
+    unflatten::<B>(blas::<B>(dy, weight_t, None), shape)
+}
+
+/// `dweight = xᵀ · dy` over every row at once (one product with K = rows,
+/// instead of one per batch entry summed afterwards).
+pub(super) fn linear_weight_backward<B: KernelBackend>(
+    x: FloatTensor<B>,
+    output_grad: FloatTensor<B>,
+) -> FloatTensor<B> {
+    if !use_blas::<B>(&x) {
+        return B::linear_weight_backward(x, output_grad);
+    }
+    let (x, _) = flatten::<B>(x);
+    let (dy, _) = flatten::<B>(output_grad);
+    blas::<B>(B::float_swap_dims(x, 0, 1), dy, None)
+}

@@ -1,0 +1,96 @@
+//! `Fusion<B>`: a kernel is recorded as a custom op of the fusion stream;
+//! when the stream runs, the op launches the kernel on `B` with the resolved
+//! handles. The element-wise ops around it keep fusing.
+
+use burn::tensor::Device;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn_fusion::stream::{Operation, OperationStreams};
+use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
+use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
+
+use super::{DeviceQuery, Kernel, KernelBackend, TensorSpec};
+
+/// A recorded kernel: its inputs and outputs as the stream knows them.
+struct Recorded<B, K> {
+    desc: CustomOpIr,
+    /// The first `floats` inputs are float tensors, the rest int tensors.
+    floats: usize,
+    kernel: K,
+    outputs: Vec<TensorSpec>,
+    _backend: core::marker::PhantomData<fn() -> B>,
+}
+
+impl<B, K: Kernel> core::fmt::Debug for Recorded<B, K> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "{}({})", K::NAME, self.desc.id)
+    }
+}
+
+impl<B: FusionBackend + KernelBackend, K: Kernel> Operation<B::FusionRuntime> for Recorded<B, K> {
+    fn execute(
+        &self,
+        handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
+    ) {
+        let (floats, ints) = self.desc.inputs.split_at(self.floats);
+        let floats = floats
+            .iter()
+            .map(|ir| handles.get_float_tensor::<B>(ir))
+            .collect();
+        let ints = ints
+            .iter()
+            .map(|ir| handles.get_int_tensor::<B>(ir))
+            .collect();
+        let outputs = B::launch(&self.kernel, floats, ints, self.outputs.clone());
+        assert_eq!(
+            outputs.len(),
+            self.desc.outputs.len(),
+            "{} returned the wrong number of outputs",
+            K::NAME
+        );
+        for (ir, out) in self.desc.outputs.iter().zip(outputs) {
+            handles.register_float_tensor::<B>(&ir.id, out);
+        }
+    }
+}
+
+impl<B: FusionBackend + KernelBackend> KernelBackend for Fusion<B> {
+    fn ask<Q: DeviceQuery>(device: &Device<Self>, query: &Q) -> Option<Q::Answer> {
+        B::ask(device, query)
+    }
+
+    fn launch<K: Kernel>(
+        kernel: &K,
+        floats: Vec<FloatTensor<Self>>,
+        ints: Vec<IntTensor<Self>>,
+        outputs: Vec<TensorSpec>,
+    ) -> Vec<FloatTensor<Self>> {
+        let client = floats
+            .first()
+            .unwrap_or_else(|| panic!("{} has no float input", K::NAME))
+            .client
+            .clone();
+        let streams = OperationStreams::with_inputs(floats.iter().chain(ints.iter()));
+        let output_irs: Vec<TensorIr> = outputs
+            .iter()
+            .map(|o| TensorIr::uninit(client.create_empty_handle(), o.shape.clone(), o.dtype))
+            .collect();
+        let n_floats = floats.len();
+        let inputs: Vec<TensorIr> = floats
+            .into_iter()
+            .chain(ints)
+            .map(|t| t.into_ir())
+            .collect();
+        let desc = CustomOpIr::new(K::NAME, &inputs, &output_irs);
+        client.register(
+            streams,
+            OperationIr::Custom(desc.clone()),
+            Recorded::<B, K> {
+                desc,
+                floats: n_floats,
+                kernel: kernel.clone(),
+                outputs,
+                _backend: core::marker::PhantomData,
+            },
+        )
+    }
+}

@@ -1,0 +1,128 @@
+//! How kernels reach a backend: [`KernelBackend`] answers questions about a
+//! device and launches [`Kernel`]s, on `CubeBackend` directly and on
+//! `Fusion<B>` as a custom op of its stream (`fusion.rs`). Backends without
+//! CubeCL (NdArray) have no kernels, so every op takes its composite path.
+
+use burn::backend::NdArray;
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{DType, Device, Shape, TensorMetadata};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+
+/// The shape and dtype of a kernel's output, known before it runs (a
+/// fusion stream allocates its outputs when it records the op).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorSpec {
+    pub shape: Shape,
+    pub dtype: DType,
+}
+
+impl TensorSpec {
+    pub fn new(shape: Shape, dtype: DType) -> Self {
+        Self { shape, dtype }
+    }
+
+    /// A tensor's own shape and dtype.
+    pub fn of<T: TensorMetadata>(t: &T) -> Self {
+        Self::new(t.shape(), t.dtype())
+    }
+}
+
+/// One launch of Bastile's kernels on flat lists of tensors. The op that
+/// builds it orders the inputs and reads the outputs back; the value holds
+/// everything else the launch needs.
+pub trait Kernel: Clone + Send + Sync + 'static {
+    /// The name of the custom op a fusion stream records.
+    const NAME: &'static str;
+
+    /// Launches on `CubeBackend<R, F, I, BT>` (the element types matter to
+    /// kernels that fall back to the backend's own ops). Returns the
+    /// outputs in the order the op declared them.
+    fn launch<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+        &self,
+        floats: Vec<CubeTensor<R>>,
+        ints: Vec<CubeTensor<R>>,
+    ) -> Vec<CubeTensor<R>>;
+}
+
+/// A question about what the kernels can do on one device (a dtype, a
+/// shared-memory budget, tensor cores, a vendor BLAS).
+pub trait DeviceQuery {
+    type Answer;
+
+    fn ask<R: CubeRuntime>(&self, device: &R::Device) -> Self::Answer;
+}
+
+/// Whether the element-wise kernels (SwiGLU, GEGLU, RoPE, AdamW) take
+/// `dtype`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DTypeQuery {
+    pub dtype: DType,
+}
+
+impl DeviceQuery for DTypeQuery {
+    type Answer = bool;
+
+    fn ask<R: CubeRuntime>(&self, device: &R::Device) -> bool {
+        super::kernel_dtype(self.dtype)
+            .is_some_and(|d| R::client(device).properties().supports_type(d.storage()))
+    }
+}
+
+/// `Some(())` when `K`'s kernels answer yes to `query` on `device`: the
+/// plan of ops whose kernels have no choice to make.
+pub fn supported<K: KernelBackend, Q: DeviceQuery<Answer = bool>>(
+    device: &Device<K>,
+    query: &Q,
+) -> Option<()> {
+    K::ask(device, query).unwrap_or(false).then_some(())
+}
+
+/// A backend that can run Bastile's kernels.
+pub trait KernelBackend: Backend {
+    /// The device's answer to `query`, or `None` on a backend without
+    /// kernels.
+    fn ask<Q: DeviceQuery>(_device: &Device<Self>, _query: &Q) -> Option<Q::Answer> {
+        None
+    }
+
+    /// Launches `kernel`; `outputs` are the shapes and dtypes it returns.
+    /// Only called after [`KernelBackend::ask`] answered for the problem.
+    fn launch<K: Kernel>(
+        _kernel: &K,
+        _floats: Vec<FloatTensor<Self>>,
+        _ints: Vec<IntTensor<Self>>,
+        _outputs: Vec<TensorSpec>,
+    ) -> Vec<FloatTensor<Self>> {
+        unreachable!("{} launched on a backend without kernels", K::NAME)
+    }
+}
+
+impl KernelBackend for NdArray {}
+
+impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KernelBackend
+    for CubeBackend<R, F, I, BT>
+{
+    fn ask<Q: DeviceQuery>(device: &Device<Self>, query: &Q) -> Option<Q::Answer> {
+        Some(query.ask::<R>(device))
+    }
+
+    fn launch<K: Kernel>(
+        kernel: &K,
+        floats: Vec<FloatTensor<Self>>,
+        ints: Vec<IntTensor<Self>>,
+        outputs: Vec<TensorSpec>,
+    ) -> Vec<FloatTensor<Self>> {
+        let out = kernel.launch::<R, F, I, BT>(floats, ints);
+        // The declared outputs are what a fusion stream allocates: a
+        // mismatch would hand later ops a wrong tensor.
+        debug_assert_eq!(
+            out.iter().map(TensorSpec::of).collect::<Vec<_>>(),
+            outputs,
+            "{} returned other outputs than it declared",
+            K::NAME
+        );
+        out
+    }
+}
