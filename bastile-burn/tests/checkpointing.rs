@@ -9,7 +9,9 @@ use bastile::{Bastile, BastileBackend, RmsNormCast, geglu_oss, rms_norm, swiglu_
 use bastile_cubecl::testing::{Rng, assert_close};
 use burn::backend::Autodiff;
 use burn::tensor::DType;
-use burn_autodiff::checkpoint::strategy::{BalancedCheckpointing, CheckpointStrategy};
+use burn_autodiff::checkpoint::strategy::{
+    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
+};
 
 const ROWS: usize = 9;
 const HIDDEN: usize = 32;
@@ -53,7 +55,7 @@ backend_test! {
             randn(&mut rng, 4 * INTER * INTER, 0.0, 0.3, DType::F32),
             randn(&mut rng, ROWS * INTER, 0.0, 1.0, DType::F32),
         ];
-        let kept = gradients::<Bastile<B>, burn_autodiff::checkpoint::strategy::NoCheckpointing>(
+        let kept = gradients::<Bastile<B>, NoCheckpointing>(
             &inputs, device,
         );
         let balanced = gradients::<Bastile<B>, BalancedCheckpointing>(&inputs, device);

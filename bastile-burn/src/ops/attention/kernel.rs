@@ -299,7 +299,6 @@ fn backward<R: CubeRuntime>(
     tensor_cores: bool,
 ) -> AttentionGrads<CubeTensor<R>> {
     let problem = checked_problem(&t, &spec);
-    let has_sinks = t.sinks.is_some();
     let t = LaidOut::new(t);
     let (_out, out_l) = heads(out);
     let (_dout, dout_l) = heads(dout);
@@ -308,7 +307,7 @@ fn backward<R: CubeRuntime>(
     let (dk, dk_l) = dense(&t.k, t.k.shape());
     let (dv, dv_l) = dense(&t.k, t.k.shape());
     let delta = t.row_stats();
-    let dsink_rows = has_sinks.then(|| t.row_stats());
+    let dsink_rows = t.sinks.as_ref().map(|_| t.row_stats());
     let [q_l, k_l, v_l] = t.layouts.clone();
     let buffers = AttentionBackwardBuffers {
         q: q_l,
