@@ -14,10 +14,12 @@
 
 use cubecl::prelude::*;
 
-use crate::attention::AttnDims;
+use crate::attention::{AttnDims, BackwardInputs};
 
-use super::forward::query_block_keys;
-use super::tile::{AttnTile, accumulate, allowed, cube_coords, key_count, load_block, row_scores};
+use super::tile::{
+    AttnTile, DK, DOUT, DQ, DV, K, OUT, Q, V, accumulate, allowed, head_rows, load_block,
+    owned_rows, row_scores,
+};
 use crate::reduce::lane_sum;
 
 /// `Δ = rowsum(o ⊙ dO)` (and each row's share of the sink gradient) for
@@ -79,8 +81,10 @@ pub(crate) fn attention_delta_kernel<F: Float, N: Size>(
                 let qi = r % seq_q;
                 let h = r / seq_q % heads;
                 let b = r / seq_q / heads;
-                let o = b * strides[9usize] + h * strides[10usize] + qi * strides[11usize];
-                let g = b * strides[12usize] + h * strides[13usize] + qi * strides[14usize];
+                let o_rows = head_rows(&strides, b, h, OUT);
+                let do_rows = head_rows(&strides, b, h, DOUT);
+                let o = o_rows.base + qi * o_rows.stride;
+                let g = do_rows.base + qi * do_rows.stride;
                 product = lane_sum(
                     Vector::<f32, N>::cast_from(out[o + c])
                         * Vector::<f32, N>::cast_from(dout[g + c]),
@@ -107,70 +111,27 @@ pub(crate) fn attention_delta_kernel<F: Float, N: Size>(
     }
 }
 
-/// The query blocks `[first, end)` whose rows can see some key of
-/// `[k_first, k_last]`: none before the keys when causal, none a whole
-/// window past the last key.
-#[cube]
-pub(crate) fn query_block_range(
-    k_first: usize,
-    k_last: usize,
-    seq_q: usize,
-    offset: usize,
-    window: usize,
-    #[comptime] t: AttnTile,
-) -> (usize, usize) {
-    let cols = comptime![t.cols as usize];
-    let mut start = 0usize;
-    if comptime![t.causal] {
-        start = select(k_first > offset, k_first - offset, 0usize);
-    }
-    let mut end = seq_q;
-    if comptime![t.window] {
-        let last_pos = k_last + window;
-        let e = select(last_pos > offset, last_pos - offset, 0usize);
-        end = select(e < end, e, end);
-    }
-    let first = start / cols;
-    let last = end.div_ceil(cols);
-    (first, select(last > first, last, first))
-}
-
 #[cube(launch_unchecked)]
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_dkdv_kernel<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    dout: &Tensor<F>,
-    lse: &Tensor<f32>,
-    delta: &Tensor<f32>,
-    key_lengths: &Tensor<i32>,
+    inputs: &BackwardInputs<F, f32>,
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
-    strides: Sequence<usize>,
     dims: AttnDims,
     #[comptime] t: AttnTile,
     #[define(F)] _dtype: StorageType,
 ) {
     let upr = comptime![t.upr as usize];
-    let rows = comptime![t.rows as usize];
     let cols = comptime![t.cols as usize];
     let sc = comptime![(t.cols / t.upr) as usize];
     let dc = comptime![(t.head_dim / t.upr) as usize];
-    let kv_heads = dims.heads / dims.group;
     // Cubes are `upr × rows` units: one row of the tile per Y.
     let row = UNIT_POS_Y as usize;
     let lane = UNIT_POS_X as usize;
-    let (b, hk, kb) = cube_coords(dims.blocks, kv_heads, dims.batch, false, t);
-    if b < dims.batch {
-        let k0 = kb * rows;
-        let klen = key_count(key_lengths, b, dims.seq_k, t);
-        let offset = dims.seq_k - dims.seq_q;
-        let key = k0 + row;
-        let k_end = select(k0 + rows < dims.seq_k, k0 + rows, dims.seq_k);
-        let (qb_first, qb_end) =
-            query_block_range(k0, k_end - 1, dims.seq_q, offset, dims.window, t);
-
+    let own = owned_rows(&dims, &inputs.key_lengths, false, t);
+    if own.b < dims.batch {
+        let b = own.b;
+        let hk = own.head;
+        let key = own.first + row;
         let mut smem_k = SharedMemory::<F>::new(comptime![t.rows as usize * t.pitch as usize]);
         let mut smem_v = SharedMemory::<F>::new(comptime![t.rows as usize * t.pitch as usize]);
         let mut smem_q = SharedMemory::<F>::new(comptime![t.cols as usize * t.pitch as usize]);
@@ -178,23 +139,21 @@ pub(crate) fn attention_dkdv_kernel<F: Float>(
         let mut smem_p = SharedMemory::<f32>::new(comptime![(t.rows * t.cols) as usize]);
         let mut smem_ds = SharedMemory::<f32>::new(comptime![(t.rows * t.cols) as usize]);
 
-        let k_base = b * strides[3usize] + hk * strides[4usize];
-        let v_base = b * strides[6usize] + hk * strides[7usize];
+        let k_rows = head_rows(&inputs.strides, b, hk, K);
+        let v_rows = head_rows(&inputs.strides, b, hk, V);
         load_block::<F>(
-            k,
-            k_base,
-            strides[5usize],
-            k0,
+            &inputs.k,
+            k_rows,
+            own.first,
             dims.seq_k,
             &mut smem_k,
             t.rows,
             t,
         );
         load_block::<F>(
-            v,
-            v_base,
-            strides[8usize],
-            k0,
+            &inputs.v,
+            v_rows,
+            own.first,
             dims.seq_k,
             &mut smem_v,
             t.rows,
@@ -211,26 +170,16 @@ pub(crate) fn attention_dkdv_kernel<F: Float>(
 
         for g in 0..dims.group {
             let h = hk * dims.group + g;
-            let q_base = b * strides[0usize] + h * strides[1usize];
-            let do_base = b * strides[12usize] + h * strides[13usize];
+            let q_rows = head_rows(&inputs.strides, b, h, Q);
+            let do_rows = head_rows(&inputs.strides, b, h, DOUT);
             let stat_base = (b * dims.heads + h) * dims.seq_q;
-            for qb in qb_first..qb_end {
+            for qb in own.block_first..own.block_end {
                 let q0 = qb * cols;
                 sync_cube();
+                load_block::<F>(&inputs.q, q_rows, q0, dims.seq_q, &mut smem_q, t.cols, t);
                 load_block::<F>(
-                    q,
-                    q_base,
-                    strides[2usize],
-                    q0,
-                    dims.seq_q,
-                    &mut smem_q,
-                    t.cols,
-                    t,
-                );
-                load_block::<F>(
-                    dout,
-                    do_base,
-                    strides[14usize],
+                    &inputs.dout,
+                    do_rows,
                     q0,
                     dims.seq_q,
                     &mut smem_do,
@@ -244,12 +193,13 @@ pub(crate) fn attention_dkdv_kernel<F: Float>(
                 for j in 0..sc {
                     let c = lane + j * upr;
                     let qi = q0 + c;
-                    let ok = qi < dims.seq_q && allowed(qi + offset, key, klen, dims.window, t);
+                    let qpos = qi + own.offset;
+                    let ok = qi < dims.seq_q && allowed(qpos, key, own.klen, dims.window, t);
                     let mut p = 0.0f32;
                     let mut ds = 0.0f32;
                     if ok {
-                        p = f32::exp(s[j] * dims.scale - lse[stat_base + qi]);
-                        ds = p * (dp[j] - delta[stat_base + qi]);
+                        p = f32::exp(s[j] * dims.scale - inputs.lse[stat_base + qi]);
+                        ds = p * (dp[j] - inputs.delta[stat_base + qi]);
                     }
                     smem_p[row * cols + c] = p;
                     smem_ds[row * cols + c] = ds;
@@ -261,8 +211,10 @@ pub(crate) fn attention_dkdv_kernel<F: Float>(
         }
 
         if key < dims.seq_k {
-            let dk_base = b * strides[18usize] + hk * strides[19usize] + key * strides[20usize];
-            let dv_base = b * strides[21usize] + hk * strides[22usize] + key * strides[23usize];
+            let dk_rows = head_rows(&inputs.strides, b, hk, DK);
+            let dv_rows = head_rows(&inputs.strides, b, hk, DV);
+            let dk_base = dk_rows.base + key * dk_rows.stride;
+            let dv_base = dv_rows.base + key * dv_rows.stride;
             #[unroll]
             for j in 0..dc {
                 dk[dk_base + lane + j * upr] = F::cast_from(acc_k[j] * dims.scale);
@@ -273,74 +225,60 @@ pub(crate) fn attention_dkdv_kernel<F: Float>(
 }
 
 #[cube(launch_unchecked)]
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_dq_kernel<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    dout: &Tensor<F>,
-    lse: &Tensor<f32>,
-    delta: &Tensor<f32>,
-    key_lengths: &Tensor<i32>,
+    inputs: &BackwardInputs<F, f32>,
     dq: &mut Tensor<F>,
-    strides: Sequence<usize>,
     dims: AttnDims,
     #[comptime] t: AttnTile,
     #[define(F)] _dtype: StorageType,
 ) {
     let upr = comptime![t.upr as usize];
-    let rows = comptime![t.rows as usize];
     let cols = comptime![t.cols as usize];
     let sc = comptime![(t.cols / t.upr) as usize];
     let dc = comptime![(t.head_dim / t.upr) as usize];
     // Cubes are `upr × rows` units: one row of the tile per Y.
     let row = UNIT_POS_Y as usize;
     let lane = UNIT_POS_X as usize;
-    let (b, h, qb) = cube_coords(dims.blocks, dims.heads, dims.batch, true, t);
-    if b < dims.batch {
-        let hk = h / dims.group;
-        let q0 = qb * rows;
-        let klen = key_count(key_lengths, b, dims.seq_k, t);
-        let (offset, kb_first, kb_end) =
-            query_block_keys(q0, dims.seq_q, dims.seq_k, klen, dims.window, t);
-
+    let own = owned_rows(&dims, &inputs.key_lengths, true, t);
+    if own.b < dims.batch {
+        let b = own.b;
+        let h = own.head;
         let mut smem_q = SharedMemory::<F>::new(comptime![t.rows as usize * t.pitch as usize]);
         let mut smem_do = SharedMemory::<F>::new(comptime![t.rows as usize * t.pitch as usize]);
         let mut smem_k = SharedMemory::<F>::new(comptime![t.cols as usize * t.pitch as usize]);
         let mut smem_v = SharedMemory::<F>::new(comptime![t.cols as usize * t.pitch as usize]);
         let mut smem_ds = SharedMemory::<f32>::new(comptime![(t.rows * t.cols) as usize]);
 
-        let q_base = b * strides[0usize] + h * strides[1usize];
-        let do_base = b * strides[12usize] + h * strides[13usize];
-        let k_base = b * strides[3usize] + hk * strides[4usize];
-        let v_base = b * strides[6usize] + hk * strides[7usize];
+        let q_rows = head_rows(&inputs.strides, b, h, Q);
+        let do_rows = head_rows(&inputs.strides, b, h, DOUT);
+        let hk = h / dims.group;
+        let k_rows = head_rows(&inputs.strides, b, hk, K);
+        let v_rows = head_rows(&inputs.strides, b, hk, V);
         load_block::<F>(
-            q,
-            q_base,
-            strides[2usize],
-            q0,
+            &inputs.q,
+            q_rows,
+            own.first,
             dims.seq_q,
             &mut smem_q,
             t.rows,
             t,
         );
         load_block::<F>(
-            dout,
-            do_base,
-            strides[14usize],
-            q0,
+            &inputs.dout,
+            do_rows,
+            own.first,
             dims.seq_q,
             &mut smem_do,
             t.rows,
             t,
         );
 
-        let qi = q0 + row;
+        let qi = own.first + row;
         let mut row_lse = 0.0f32;
         let mut row_delta = 0.0f32;
         if qi < dims.seq_q {
-            row_lse = lse[(b * dims.heads + h) * dims.seq_q + qi];
-            row_delta = delta[(b * dims.heads + h) * dims.seq_q + qi];
+            row_lse = inputs.lse[(b * dims.heads + h) * dims.seq_q + qi];
+            row_delta = inputs.delta[(b * dims.heads + h) * dims.seq_q + qi];
         }
         let mut acc = Array::<f32>::new(dc);
         #[unroll]
@@ -348,36 +286,19 @@ pub(crate) fn attention_dq_kernel<F: Float>(
             acc[j] = 0.0f32;
         }
 
-        for kb in kb_first..kb_end {
+        for kb in own.block_first..own.block_end {
             let k0 = kb * cols;
             sync_cube();
-            load_block::<F>(
-                k,
-                k_base,
-                strides[5usize],
-                k0,
-                dims.seq_k,
-                &mut smem_k,
-                t.cols,
-                t,
-            );
-            load_block::<F>(
-                v,
-                v_base,
-                strides[8usize],
-                k0,
-                dims.seq_k,
-                &mut smem_v,
-                t.cols,
-                t,
-            );
+            load_block::<F>(&inputs.k, k_rows, k0, dims.seq_k, &mut smem_k, t.cols, t);
+            load_block::<F>(&inputs.v, v_rows, k0, dims.seq_k, &mut smem_v, t.cols, t);
             sync_cube();
             let s = row_scores::<F>(&smem_q, row, &smem_k, lane, t);
             let dp = row_scores::<F>(&smem_do, row, &smem_v, lane, t);
             #[unroll]
             for j in 0..sc {
                 let c = lane + j * upr;
-                let ok = qi < dims.seq_q && allowed(qi + offset, k0 + c, klen, dims.window, t);
+                let qpos = qi + own.offset;
+                let ok = qi < dims.seq_q && allowed(qpos, k0 + c, own.klen, dims.window, t);
                 let mut ds = 0.0f32;
                 if ok {
                     ds = f32::exp(s[j] * dims.scale - row_lse) * (dp[j] - row_delta);
@@ -389,7 +310,8 @@ pub(crate) fn attention_dq_kernel<F: Float>(
         }
 
         if qi < dims.seq_q {
-            let dq_base = b * strides[15usize] + h * strides[16usize] + qi * strides[17usize];
+            let dq_rows = head_rows(&inputs.strides, b, h, DQ);
+            let dq_base = dq_rows.base + qi * dq_rows.stride;
             #[unroll]
             for j in 0..dc {
                 dq[dq_base + lane + j * upr] = F::cast_from(acc[j] * dims.scale);

@@ -151,6 +151,38 @@ pub(crate) struct AttnDims {
     pub scale: f32,
 }
 
+/// What the forward kernels read: queries, keys and values (elements `E`:
+/// the dtype, or 16-byte vectors of it on the tensor cores), the sinks
+/// (f32 `[heads]`) and key lengths (i32 `[batch]`), each a placeholder
+/// when the problem has none, and the (batch, head, row) strides of q, k,
+/// v and out in units of `E` (see [`tile::Q`] and the rest).
+#[derive(CubeType, CubeLaunch)]
+pub(crate) struct ForwardInputs<E: CubePrimitive> {
+    pub q: Tensor<E>,
+    pub k: Tensor<E>,
+    pub v: Tensor<E>,
+    pub sinks: Tensor<f32>,
+    pub key_lengths: Tensor<i32>,
+    pub strides: Sequence<usize>,
+}
+
+/// What the backward's dK/dV and dQ kernels read: the forward's inputs,
+/// the output gradient, the forward's per-row `lse` and the Δ kernel's
+/// per-row `delta` (statistics `S`: f32, or one-element vectors where a
+/// kernel copies them asynchronously), the key lengths, and the strides of
+/// all eight tensors in units of `E`.
+#[derive(CubeType, CubeLaunch)]
+pub(crate) struct BackwardInputs<E: CubePrimitive, S: CubePrimitive> {
+    pub q: Tensor<E>,
+    pub k: Tensor<E>,
+    pub v: Tensor<E>,
+    pub dout: Tensor<E>,
+    pub lse: Tensor<S>,
+    pub delta: Tensor<S>,
+    pub key_lengths: Tensor<i32>,
+    pub strides: Sequence<usize>,
+}
+
 /// A `[batch, heads, seq, head_dim]` tensor: its buffer and its batch, head
 /// and row strides in elements (the head dim is unit stride).
 #[derive(Clone, Debug)]
@@ -318,20 +350,75 @@ fn seq_strides<R: Runtime>(layouts: &[&HeadLayout], unit: usize) -> SequenceArg<
         .collect()
 }
 
+impl AttentionProblem {
+    /// A query-side tensor (`[batch, heads, seq_q, head_dim]`) as a kernel
+    /// argument.
+    fn query_arg<R: Runtime>(&self, layout: &HeadLayout) -> TensorArg<R> {
+        layout.arg(self.batch, self.heads, self.seq_q, self.head_dim)
+    }
+
+    /// A key-side tensor (`[batch, kv_heads, seq_k, head_dim]`) as a kernel
+    /// argument.
+    fn key_arg<R: Runtime>(&self, layout: &HeadLayout) -> TensorArg<R> {
+        layout.arg(self.batch, self.kv_heads, self.seq_k, self.head_dim)
+    }
+}
+
 impl AttentionForwardBuffers {
-    /// q, k, v, out: the order the kernels read their strides in.
+    /// q, k, v, out: the order the kernels read their strides in
+    /// ([`tile::Q`] ..).
     fn layouts(&self) -> [&HeadLayout; 4] {
         [&self.q, &self.k, &self.v, &self.out]
+    }
+
+    /// The forward kernels' inputs, strides in units of `unit` elements.
+    fn inputs<R: Runtime, E: CubePrimitive>(
+        &self,
+        client: &ComputeClient<R>,
+        p: &AttentionProblem,
+        unit: usize,
+    ) -> ForwardInputsLaunch<E, R> {
+        let sinks = self.sinks.clone().unwrap_or_else(|| dummy(client));
+        let lengths = self.key_lengths.clone().unwrap_or_else(|| dummy(client));
+        ForwardInputsLaunch::new(
+            p.query_arg(&self.q),
+            p.key_arg(&self.k),
+            p.key_arg(&self.v),
+            flat_arg(&sinks, p.heads),
+            flat_arg(&lengths, p.batch),
+            seq_strides(&self.layouts(), unit),
+        )
     }
 }
 
 impl AttentionBackwardBuffers {
     /// q, k, v, out, dout, dq, dk, dv: the order the kernels read their
-    /// strides in.
+    /// strides in ([`tile::Q`] ..).
     fn layouts(&self) -> [&HeadLayout; 8] {
         [
             &self.q, &self.k, &self.v, &self.out, &self.dout, &self.dq, &self.dk, &self.dv,
         ]
+    }
+
+    /// The dK/dV and dQ kernels' inputs, strides in units of `unit`
+    /// elements.
+    fn inputs<R: Runtime, E: CubePrimitive, S: CubePrimitive>(
+        &self,
+        client: &ComputeClient<R>,
+        p: &AttentionProblem,
+        unit: usize,
+    ) -> BackwardInputsLaunch<E, S, R> {
+        let lengths = self.key_lengths.clone().unwrap_or_else(|| dummy(client));
+        BackwardInputsLaunch::new(
+            p.query_arg(&self.q),
+            p.key_arg(&self.k),
+            p.key_arg(&self.v),
+            p.query_arg(&self.dout),
+            flat_arg(&self.lse, p.query_rows()),
+            flat_arg(&self.delta, p.query_rows()),
+            flat_arg(&lengths, p.batch),
+            seq_strides(&self.layouts(), unit),
+        )
     }
 }
 
@@ -348,25 +435,15 @@ pub fn forward_with<R: Runtime>(
     let q_blocks = p.seq_q.div_ceil(config.rows as usize);
     let count = launch::cube_count(client, p.batch * p.heads * q_blocks)?;
     let b = &buffers;
-    let strides = seq_strides(&b.layouts(), 1);
-    let sinks = b.sinks.clone().unwrap_or_else(|| dummy(client));
-    let lengths = b.key_lengths.clone().unwrap_or_else(|| dummy(client));
+    let cube_dim = config.cube_dim();
+    let inputs = b.inputs(client, p, 1);
+    let out = p.query_arg(&b.out);
+    let lse = flat_arg(&b.lse, p.query_rows());
+    let dims = p.dims_arg::<R>(q_blocks);
+    let dtype = p.dtype.storage();
     unsafe {
         forward::attention_forward_kernel::launch_unchecked::<R>(
-            client,
-            count,
-            config.cube_dim(),
-            b.q.arg(p.batch, p.heads, p.seq_q, p.head_dim),
-            b.k.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
-            b.v.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
-            b.out.arg(p.batch, p.heads, p.seq_q, p.head_dim),
-            flat_arg(&b.lse, p.query_rows()),
-            flat_arg(&sinks, p.heads),
-            flat_arg(&lengths, p.batch),
-            strides,
-            p.dims_arg::<R>(q_blocks),
-            t,
-            p.dtype.storage(),
+            client, count, cube_dim, inputs, out, lse, dims, t, dtype,
         )
     }
     Ok(())
@@ -385,53 +462,24 @@ pub fn backward_with<R: Runtime>(
     let t = config.check(client, problem, true)?;
     let p = problem;
     let b = &buffers;
-    let strides = || seq_strides(&b.layouts(), 1);
-    let lengths = b.key_lengths.clone().unwrap_or_else(|| dummy(client));
-    let rows = p.query_rows();
-    let q_arg = || b.q.arg(p.batch, p.heads, p.seq_q, p.head_dim);
-    let k_arg = || b.k.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim);
-    let v_arg = || b.v.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim);
-    let do_arg = || b.dout.arg(p.batch, p.heads, p.seq_q, p.head_dim);
-    let stat = |h: &Handle| flat_arg::<R>(h, rows);
-    let lengths_arg = || flat_arg::<R>(&lengths, p.batch);
     launch_delta(client, p, b, config, t, None)?;
+    let cube_dim = config.cube_dim();
+    let dtype = p.dtype.storage();
+    let k_blocks = p.seq_k.div_ceil(config.rows as usize);
+    let k_count = launch::cube_count(client, p.batch * p.kv_heads * k_blocks)?;
+    let q_blocks = p.seq_q.div_ceil(config.rows as usize);
+    let q_count = launch::cube_count(client, p.batch * p.heads * q_blocks)?;
+    let (dk, dv, dq) = (p.key_arg(&b.dk), p.key_arg(&b.dv), p.query_arg(&b.dq));
     unsafe {
-        let k_blocks = p.seq_k.div_ceil(config.rows as usize);
+        let inputs = b.inputs(client, p, 1);
+        let dims = p.dims_arg::<R>(k_blocks);
         backward::attention_dkdv_kernel::launch_unchecked::<R>(
-            client,
-            launch::cube_count(client, p.batch * p.kv_heads * k_blocks)?,
-            config.cube_dim(),
-            q_arg(),
-            k_arg(),
-            v_arg(),
-            do_arg(),
-            stat(&b.lse),
-            stat(&b.delta),
-            lengths_arg(),
-            b.dk.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
-            b.dv.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
-            strides(),
-            p.dims_arg::<R>(k_blocks),
-            t,
-            p.dtype.storage(),
+            client, k_count, cube_dim, inputs, dk, dv, dims, t, dtype,
         );
-        let q_blocks = p.seq_q.div_ceil(config.rows as usize);
+        let inputs = b.inputs(client, p, 1);
+        let dims = p.dims_arg::<R>(q_blocks);
         backward::attention_dq_kernel::launch_unchecked::<R>(
-            client,
-            launch::cube_count(client, p.batch * p.heads * q_blocks)?,
-            config.cube_dim(),
-            q_arg(),
-            k_arg(),
-            v_arg(),
-            do_arg(),
-            stat(&b.lse),
-            stat(&b.delta),
-            lengths_arg(),
-            b.dq.arg(p.batch, p.heads, p.seq_q, p.head_dim),
-            strides(),
-            p.dims_arg::<R>(q_blocks),
-            t,
-            p.dtype.storage(),
+            client, q_count, cube_dim, inputs, dq, dims, t, dtype,
         );
     }
     Ok(())
@@ -509,8 +557,8 @@ fn launch_delta<R: Runtime>(
             launch::cube_count(client, rows.div_ceil(t.rows as usize))?,
             CubeDim::new_1d(config.units()),
             vec,
-            b.out.arg(p.batch, p.heads, p.seq_q, p.head_dim),
-            b.dout.arg(p.batch, p.heads, p.seq_q, p.head_dim),
+            p.query_arg(&b.out),
+            p.query_arg(&b.dout),
             flat_arg(&b.lse, rows),
             flat_arg(&sinks, p.heads),
             flat_arg(&b.delta, rows),

@@ -1,7 +1,11 @@
-//! What the attention kernels share: the comptime tile, the mask test, and
-//! the cooperative load of a block of rows into shared memory.
+//! What the attention kernels share: the comptime tile, the mask test,
+//! where a head's rows lie, which rows a cube owns and which blocks of the
+//! other side they see, and the cooperative load of a block of rows into
+//! shared memory.
 
 use cubecl::prelude::*;
+
+use super::AttnDims;
 
 /// A score that is masked out. Finite, so that `m − MASKED` never forms
 /// `∞ − ∞`; entries at or below [`MASKED_BELOW`] are treated as absent.
@@ -29,6 +33,136 @@ pub struct AttnTile {
     pub window: bool,
     pub sinks: bool,
     pub key_lengths: bool,
+}
+
+/// Where each tensor's (batch, head, row) strides sit in the kernels'
+/// stride sequence, in units of three: the order of
+/// `AttentionBackwardBuffers::layouts` (the forward's sequence holds the
+/// first four).
+pub(crate) const Q: usize = 0;
+pub(crate) const K: usize = 1;
+pub(crate) const V: usize = 2;
+pub(crate) const OUT: usize = 3;
+pub(crate) const DOUT: usize = 4;
+pub(crate) const DQ: usize = 5;
+pub(crate) const DK: usize = 6;
+pub(crate) const DV: usize = 7;
+
+/// The rows of one head of a `[batch, heads, seq, head_dim]` tensor: row
+/// `r` starts at `base + r·stride` (in the kernel's units, elements or
+/// vectors; the head dim is unit stride).
+#[derive(CubeType, Clone, Copy)]
+pub(crate) struct HeadRows {
+    pub base: usize,
+    pub stride: usize,
+}
+
+/// The rows of head `h` of batch entry `b` of `tensor` (one of [`Q`] ..
+/// [`DV`]).
+#[cube]
+pub(crate) fn head_rows(
+    strides: &Sequence<usize>,
+    b: usize,
+    h: usize,
+    #[comptime] tensor: usize,
+) -> HeadRows {
+    let batch = *strides.index(comptime![3 * tensor]);
+    let head = *strides.index(comptime![3 * tensor + 1]);
+    HeadRows {
+        base: b * batch + h * head,
+        stride: *strides.index(comptime![3 * tensor + 2]),
+    }
+}
+
+/// The rows a cube owns (query rows in the forwards and the dQ kernels,
+/// key rows in the dK/dV kernels) and the blocks of the other side they
+/// see.
+#[derive(CubeType, Clone, Copy)]
+pub(crate) struct OwnedRows {
+    /// The batch entry; `dims.batch` for a cube past the grid (rounded
+    /// up), which reads nothing.
+    pub b: usize,
+    /// The query head (query rows) or kv head (key rows).
+    pub head: usize,
+    /// The first owned row, and the last that exists.
+    pub first: usize,
+    pub last: usize,
+    /// The keys of the batch entry that exist.
+    pub klen: usize,
+    /// Query `i` sits at key position `i + offset` (`seq_k − seq_q`,
+    /// bottom-right aligned as Burn's causal mask; the launcher checks
+    /// `seq_k ≥ seq_q` when a mask uses it).
+    pub offset: usize,
+    /// The blocks `[block_first, block_end)` of the other side (of
+    /// `t.cols` rows, in each head of the group for key rows) that some
+    /// owned row sees.
+    pub block_first: usize,
+    pub block_end: usize,
+}
+
+/// This cube's rows: query rows when `queries`, else key rows.
+#[cube]
+pub(crate) fn owned_rows(
+    dims: &AttnDims,
+    key_lengths: &Tensor<i32>,
+    #[comptime] queries: bool,
+    #[comptime] t: AttnTile,
+) -> OwnedRows {
+    let rows = comptime![t.rows as usize];
+    let mut heads = dims.heads;
+    let mut seq = dims.seq_q;
+    if comptime![!queries] {
+        heads = dims.heads / dims.group;
+        seq = dims.seq_k;
+    }
+    // Query blocks go heaviest first under a causal mask.
+    let (b, head, block) = cube_coords(dims.blocks, heads, dims.batch, queries, t);
+    let first = block * rows;
+    let last = select(first + rows < seq, first + rows, seq) - 1;
+    let offset = dims.seq_k - dims.seq_q;
+    // A cube past the grid reads batch entry 0's length, and nothing else.
+    let entry = select(b < dims.batch, b, 0usize);
+    let klen = key_count(key_lengths, entry, dims.seq_k, t);
+    // The positions `[start, end)` of the other side some owned row sees.
+    let mut start = 0usize;
+    let mut end = dims.seq_q;
+    if comptime![queries] {
+        // Keys: none past the last query when causal, none a whole window
+        // behind the first query.
+        let q_first = first + offset;
+        let q_last = last + offset;
+        end = klen;
+        if comptime![t.causal] {
+            end = select(q_last + 1 < end, q_last + 1, end);
+        }
+        if comptime![t.window] {
+            start = select(q_first + 1 > dims.window, q_first + 1 - dims.window, 0usize);
+        }
+    } else {
+        // Queries: none before the keys when causal, none a whole window
+        // past the last key.
+        if comptime![t.causal] {
+            start = select(first > offset, first - offset, 0usize);
+        }
+        if comptime![t.window] {
+            let last_pos = last + dims.window;
+            let window_end = select(last_pos > offset, last_pos - offset, 0usize);
+            end = select(window_end < end, window_end, end);
+        }
+    }
+    let cols = comptime![t.cols as usize];
+    let block_first = start / cols;
+    let block_end = end.div_ceil(cols);
+    OwnedRows {
+        b,
+        head,
+        first,
+        last,
+        klen,
+        offset,
+        block_first,
+        block_end: select(block_end > block_first, block_end, block_first),
+    }
 }
 
 /// Whether query position `qpos` (already shifted to the keys' frame) may
@@ -96,15 +230,12 @@ pub(crate) fn key_count(
     klen
 }
 
-/// Copies rows `first .. first + rows` of one head (`base` is the head's
-/// start, rows `stride` apart, unit stride along the head dim) into
-/// `smem`, zero past `limit` rows. Every unit of the cube takes part.
+/// Copies rows `first .. first + rows` of one head into `smem`, zero past
+/// `limit` rows. Every unit of the cube takes part.
 #[cube]
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn load_block<F: Float>(
     src: &Tensor<F>,
-    base: usize,
-    stride: usize,
+    head: HeadRows,
     first: usize,
     limit: usize,
     smem: &mut SharedMemory<F>,
@@ -124,7 +255,7 @@ pub(crate) fn load_block<F: Float>(
             let c = i % d;
             let mut value = F::cast_from(0.0f32);
             if first + r < limit {
-                value = src[base + (first + r) * stride + c];
+                value = src[head.base + (first + r) * head.stride + c];
             }
             smem[r * pitch + c] = value;
         }

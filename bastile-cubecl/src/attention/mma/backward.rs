@@ -16,20 +16,19 @@
 //!
 //! `Δ` and the sink gradient come from the tiled path's row kernel.
 
-use cubecl::prelude::barrier::{Barrier, copy_async};
 use cubecl::prelude::*;
 
-use crate::attention::AttnDims;
+use crate::attention::{AttnDims, BackwardInputs};
 
-use super::super::backward::query_block_range;
-use super::super::forward::query_block_keys;
-use super::super::tile::{AttnTile, allowed, cube_coords, key_count};
-use super::forward::copy_block;
-use super::fragment::{
-    Frag, Pair, Tile, acc_to_a, cols_base, copy_tile, load_b_cols, load_tile, mma_pair, products,
-    stage_accs, store_rows, zero_accs,
+use super::super::tile::{
+    AttnTile, DK, DOUT, DQ, DV, K, OwnedRows, Q, V, allowed, head_rows, owned_rows,
 };
-use super::{block_full, mma_units};
+use super::fragment::{
+    Frag, Pair, Tile, acc_to_a, cols_base, load_b_cols, load_tile, mma_pair, products, stage_accs,
+    store_rows, zero_accs,
+};
+use super::stream::{KeyStream, QueryStream};
+use super::{keys_full, mma_units, queries_full};
 
 /// `lse` of a query row that does not exist: its probabilities are
 /// exp(−huge) = 0.
@@ -38,6 +37,10 @@ pub(crate) const NO_ROW: f32 = 3.0e38;
 /// One f32 of the per-row statistics, typed as a one-element vector so a
 /// staged block of them can be read in pairs.
 pub(crate) type Stat = Vector<f32, Const<1>>;
+
+/// What the key-owning kernels (dK/dV and fused) read: statistics staged
+/// by asynchronous copies, so typed as [`Stat`].
+pub(crate) type KeySideInputs<F, N> = BackwardInputs<Vector<F, N>, Stat>;
 
 /// `acc[n] += A · tile` over `n` accumulators of 8 head-dim columns: `A`
 /// is the probabilities or score gradients (accumulators `2kk`, `2kk + 1`
@@ -65,99 +68,12 @@ fn accumulate_rows<F: Float, N: Size>(
     }
 }
 
-/// Starts the copies of block `i` of the cube's sequence of (query head
-/// of the group from `h0`, query block from `qb_first`; `blocks` per
-/// head): its queries, output gradients and their rows' `lse` and `Δ`,
-/// into stage `i % 2` of the staged tiles. Rows past the sequence get
-/// zeros and an `lse` that makes their probabilities 0.
+/// Loads the cube's keys and values (zeros past the sequence) into their
+/// tiles.
 #[cube]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn copy_queries<F: Float, N: Size>(
-    q: &Tensor<Vector<F, N>>,
-    dout: &Tensor<Vector<F, N>>,
-    lse: &Tensor<Stat>,
-    delta: &Tensor<Stat>,
-    strides: &Sequence<usize>,
-    b: usize,
-    h0: usize,
-    heads: usize,
-    qb_first: usize,
-    blocks: usize,
-    i: usize,
-    seq_q: usize,
-    smem_q: &mut Tile<F, N>,
-    smem_do: &mut Tile<F, N>,
-    smem_stat: &mut SharedMemory<Stat>,
-    #[comptime] t: AttnTile,
-) {
-    let cols = comptime![t.cols as usize];
-    let vecs = comptime![t.head_dim as usize / 8];
-    let units = comptime![mma_units(t)];
-    let h = h0 + i / blocks;
-    let q0 = (qb_first + i % blocks) * cols;
-    let row0 = (i % 2) * cols;
-    let q_base = b * strides[0usize] + h * strides[1usize];
-    let do_base = b * strides[12usize] + h * strides[13usize];
-    copy_tile::<F, N>(
-        q,
-        q_base,
-        strides[2usize],
-        q0,
-        seq_q,
-        smem_q,
-        row0,
-        cols,
-        vecs,
-        units,
-    );
-    copy_tile::<F, N>(
-        dout,
-        do_base,
-        strides[14usize],
-        q0,
-        seq_q,
-        smem_do,
-        row0,
-        cols,
-        vecs,
-        units,
-    );
-    let stat = (b * heads + h) * seq_q + q0;
-    let at = 2 * row0;
-    #[unroll]
-    for it in 0..comptime![cols.div_ceil(units)] {
-        let j = UNIT_POS as usize + it * units;
-        if j < cols {
-            if q0 + j < seq_q {
-                copy_async(
-                    &lse.slice(stat + j, stat + j + 1),
-                    &mut smem_stat.slice_mut(at + j, at + j + 1),
-                    1u32,
-                );
-                copy_async(
-                    &delta.slice(stat + j, stat + j + 1),
-                    &mut smem_stat.slice_mut(at + cols + j, at + cols + j + 1),
-                    1u32,
-                );
-            } else {
-                smem_stat[at + j] = Stat::new(NO_ROW);
-                smem_stat[at + cols + j] = Stat::new(0.0f32);
-            }
-        }
-    }
-}
-
-/// Loads the cube's keys and values (rows `k0 ..` of kv head `hk`, zeros
-/// past the sequence) into their tiles.
-#[cube]
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn load_keys_values<F: Float, N: Size>(
-    k: &Tensor<Vector<F, N>>,
-    v: &Tensor<Vector<F, N>>,
-    strides: &Sequence<usize>,
-    b: usize,
-    hk: usize,
-    k0: usize,
+    inputs: &KeySideInputs<F, N>,
+    own: &OwnedRows,
     seq_k: usize,
     smem_k: &mut Tile<F, N>,
     smem_v: &mut Tile<F, N>,
@@ -166,35 +82,18 @@ pub(crate) fn load_keys_values<F: Float, N: Size>(
     let rows = comptime![t.rows as usize];
     let vecs = comptime![t.head_dim as usize / 8];
     let units = comptime![mma_units(t)];
-    let k_base = b * strides[3usize] + hk * strides[4usize];
-    let v_base = b * strides[6usize] + hk * strides[7usize];
+    let k_rows = head_rows(&inputs.strides, own.b, own.head, K);
+    let v_rows = head_rows(&inputs.strides, own.b, own.head, V);
     load_tile::<F, N>(
-        k,
-        k_base,
-        strides[5usize],
-        k0,
-        seq_k,
-        smem_k,
-        rows,
-        vecs,
-        units,
+        &inputs.k, k_rows, own.first, seq_k, smem_k, rows, vecs, units,
     );
     load_tile::<F, N>(
-        v,
-        v_base,
-        strides[8usize],
-        k0,
-        seq_k,
-        smem_v,
-        rows,
-        vecs,
-        units,
+        &inputs.v, v_rows, own.first, seq_k, smem_v, rows, vecs, units,
     );
 }
 
 /// Writes the plane's 16 rows (from `row0`) of the staged dK and dV tiles
-/// to rows `k0 + row0 ..` of kv head `hk`, skipping rows past the
-/// sequence.
+/// to the cube's rows of its kv head, skipping rows past the sequence.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn store_dk_dv<F: Float, N: Size>(
@@ -202,72 +101,56 @@ pub(crate) fn store_dk_dv<F: Float, N: Size>(
     smem_v: &Tile<F, N>,
     dk: &mut Tensor<Vector<F, N>>,
     dv: &mut Tensor<Vector<F, N>>,
-    strides: &Sequence<usize>,
-    b: usize,
-    hk: usize,
-    k0: usize,
+    inputs: &KeySideInputs<F, N>,
+    own: &OwnedRows,
     row0: usize,
     seq_k: usize,
     #[comptime] t: AttnTile,
 ) {
     let vecs = comptime![t.head_dim as usize / 8];
-    let dk_base = b * strides[18usize] + hk * strides[19usize];
-    let dv_base = b * strides[21usize] + hk * strides[22usize];
-    store_rows::<F, N>(
-        smem_k,
-        row0,
-        dk,
-        dk_base,
-        strides[20usize],
-        k0 + row0,
-        seq_k,
-        vecs,
-    );
-    store_rows::<F, N>(
-        smem_v,
-        row0,
-        dv,
-        dv_base,
-        strides[23usize],
-        k0 + row0,
-        seq_k,
-        vecs,
-    );
+    let dk_rows = head_rows(&inputs.strides, own.b, own.head, DK);
+    let dv_rows = head_rows(&inputs.strides, own.b, own.head, DV);
+    let first = own.first + row0;
+    store_rows::<F, N>(smem_k, row0, dk, dk_rows, first, seq_k, vecs);
+    store_rows::<F, N>(smem_v, row0, dv, dv_rows, first, seq_k, vecs);
 }
 
 /// Turns a plane's `Sᵀ` and `dPᵀ` accumulators (`mt` tiles of 16 keys,
 /// the lane's first row `key_top`, by `8·sn` queries from column `qoff` of
-/// the block at `q_pos`) into `Pᵀ = exp(scale·Sᵀ − lse)` and
+/// the block of queries from `q0`) into `Pᵀ = exp(scale·Sᵀ − lse)` and
 /// `dSᵀ = Pᵀ ⊙ (dPᵀ − Δ)`, zero where the query may not see the key
 /// (checked only when the block is not `full`). The block's statistics
-/// are staged from row `first` of `smem_stat`'s stage: `lse` then `Δ`,
-/// read as the lane's pairs of columns.
+/// are staged from row `first` of `stats`' stage: `lse` then `Δ`, read as
+/// the lane's pairs of columns.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn softmax_grads(
     p: &mut Sequence<Frag<f32>>,
     ds: &mut Sequence<Frag<f32>>,
-    smem_stat: &SharedMemory<Stat>,
+    stats: &SharedMemory<Stat>,
     first: usize,
     qoff: usize,
-    q_pos: usize,
+    q0: usize,
     key_top: usize,
     full: bool,
-    klen: usize,
-    window: usize,
-    scale: f32,
+    own: &OwnedRows,
+    dims: &AttnDims,
     #[comptime] mt: usize,
     #[comptime] sn: usize,
     #[comptime] t: AttnTile,
 ) {
+    let q_pos = q0 + own.offset;
+    let klen = own.klen;
+    let window = dims.window;
+    let scale = dims.scale;
     // One test per block: a block seen whole runs no per-element check.
     if full {
         block_grads(
-            p, ds, smem_stat, first, qoff, q_pos, key_top, klen, window, scale, false, mt, sn, t,
+            p, ds, stats, first, qoff, q_pos, key_top, klen, window, scale, false, mt, sn, t,
         );
     } else {
         block_grads(
-            p, ds, smem_stat, first, qoff, q_pos, key_top, klen, window, scale, true, mt, sn, t,
+            p, ds, stats, first, qoff, q_pos, key_top, klen, window, scale, true, mt, sn, t,
         );
     }
 }
@@ -323,161 +206,64 @@ fn block_grads(
 }
 
 #[cube(launch_unchecked, fast_math = FastMath::all())]
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn mma_dkdv_kernel<F: Float, N: Size>(
-    q: &Tensor<Vector<F, N>>,
-    k: &Tensor<Vector<F, N>>,
-    v: &Tensor<Vector<F, N>>,
-    dout: &Tensor<Vector<F, N>>,
-    lse: &Tensor<Stat>,
-    delta: &Tensor<Stat>,
-    key_lengths: &Tensor<i32>,
+    inputs: &KeySideInputs<F, N>,
     dk: &mut Tensor<Vector<F, N>>,
     dv: &mut Tensor<Vector<F, N>>,
-    strides: Sequence<usize>,
     dims: AttnDims,
     #[comptime] t: AttnTile,
     #[define(F)] _dtype: StorageType,
 ) {
+    // 32-lane planes: the launcher runs these kernels only there.
+    let lane = UNIT_POS_PLANE as usize;
+    let plane = UNIT_POS as usize / 32;
     let rows = comptime![t.rows as usize];
-    let cols = comptime![t.cols as usize];
     let vecs = comptime![t.head_dim as usize / 8];
     let pitch = comptime![t.head_dim as usize / 8 + 1];
     let ksteps = comptime![t.head_dim as usize / 16];
     let sn = comptime![t.cols as usize / 8];
-    let lane = UNIT_POS_PLANE as usize;
-    let plane = UNIT_POS as usize / 32;
-    let kv_heads = dims.heads / dims.group;
-    let (b, hk, kb) = cube_coords(dims.blocks, kv_heads, dims.batch, false, t);
-    if b < dims.batch {
-        let k0 = kb * rows;
-        let klen = key_count(key_lengths, b, dims.seq_k, t);
-        let offset = dims.seq_k - dims.seq_q;
-        let k_last = select(k0 + rows < dims.seq_k, k0 + rows, dims.seq_k) - 1;
-        let (qb_first, qb_end) = query_block_range(k0, k_last, dims.seq_q, offset, dims.window, t);
-
+    let own = owned_rows(&dims, &inputs.key_lengths, false, t);
+    if own.b < dims.batch {
         let mut smem_k =
             SharedMemory::<Vector<F, N>>::new_aligned(comptime![rows * pitch], 16usize);
         let mut smem_v =
             SharedMemory::<Vector<F, N>>::new_aligned(comptime![rows * pitch], 16usize);
-        // Two stages of query blocks: the next block's copies fly while
-        // this one is multiplied.
-        let mut smem_q =
-            SharedMemory::<Vector<F, N>>::new_aligned(comptime![2 * cols * pitch], 16usize);
-        let mut smem_do =
-            SharedMemory::<Vector<F, N>>::new_aligned(comptime![2 * cols * pitch], 16usize);
-        let mut smem_stat = SharedMemory::<Stat>::new_aligned(comptime![4 * cols], 16usize);
-        let barrier = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-
-        load_keys_values::<F, N>(
-            k,
-            v,
-            &strides,
-            b,
-            hk,
-            k0,
-            dims.seq_k,
-            &mut smem_k,
-            &mut smem_v,
-            t,
-        );
+        load_keys_values::<F, N>(inputs, &own, dims.seq_k, &mut smem_k, &mut smem_v, t);
 
         let row0 = plane * 16;
-        let key_top = k0 + row0 + lane / 4;
+        let key_top = own.first + row0 + lane / 4;
         let mut acc_k = zero_accs(vecs);
         let mut acc_v = zero_accs(vecs);
 
         // Every (query head of the group, query block) in one sequence.
-        let blocks = select(qb_end > qb_first, qb_end - qb_first, 0usize);
-        let total = dims.group * blocks;
-        if total > 0 {
-            copy_queries::<F, N>(
-                q,
-                dout,
-                lse,
-                delta,
-                &strides,
-                b,
-                hk * dims.group,
-                dims.heads,
-                qb_first,
-                blocks,
-                0usize,
-                dims.seq_q,
-                &mut smem_q,
-                &mut smem_do,
-                &mut smem_stat,
-                t,
-            );
-        }
-        for i in 0..total {
-            barrier.commit_copy_async();
-            barrier.arrive_and_wait();
-            // Every unit is past the previous block: its stage is free.
-            if i + 1 < total {
-                copy_queries::<F, N>(
-                    q,
-                    dout,
-                    lse,
-                    delta,
-                    &strides,
-                    b,
-                    hk * dims.group,
-                    dims.heads,
-                    qb_first,
-                    blocks,
-                    i + 1,
-                    dims.seq_q,
-                    &mut smem_q,
-                    &mut smem_do,
-                    &mut smem_stat,
-                    t,
-                );
-            }
-            let q0 = (qb_first + i % blocks) * cols;
-            let first = (i % 2) * cols;
+        let mut queries = QueryStream::<F, N>::start(inputs, &own, &dims, t);
+        for i in 0..queries.count {
+            let first = queries.wait(inputs, &own, &dims, i, t);
+            let q0 = queries.first_query(&own, i, t);
+            let q = queries.q;
+            let dout = queries.dout;
 
-            let mut p = products::<F, N>(&smem_k, row0, &smem_q, first, 1usize, sn, ksteps, pitch);
-            let mut ds =
-                products::<F, N>(&smem_v, row0, &smem_do, first, 1usize, sn, ksteps, pitch);
-            let q_last = select(q0 + cols < dims.seq_q, q0 + cols, dims.seq_q) - 1;
-            let full = block_full(
-                q0 + offset,
-                q_last + offset,
-                k0,
-                k_last,
-                klen,
-                dims.window,
-                t,
-            );
+            let mut p = products::<F, N>(&smem_k, row0, &q, first, 1usize, sn, ksteps, pitch);
+            let mut ds = products::<F, N>(&smem_v, row0, &dout, first, 1usize, sn, ksteps, pitch);
+            let full = queries_full(&own, &dims, q0, own.last, t);
+            let stats = queries.stat;
             softmax_grads(
-                &mut p,
-                &mut ds,
-                &smem_stat,
-                first,
-                0usize,
-                q0 + offset,
-                key_top,
-                full,
-                klen,
-                dims.window,
-                dims.scale,
-                1usize,
-                sn,
+                &mut p, &mut ds, &stats, first, 0usize, q0, key_top, full, &own, &dims, 1usize, sn,
                 t,
             );
-            accumulate_rows::<F, N>(&mut acc_v, &p, &smem_do, first, sn, vecs, pitch);
-            accumulate_rows::<F, N>(&mut acc_k, &ds, &smem_q, first, sn, vecs, pitch);
+            accumulate_rows::<F, N>(&mut acc_v, &p, &dout, first, sn, vecs, pitch);
+            accumulate_rows::<F, N>(&mut acc_k, &ds, &q, first, sn, vecs, pitch);
         }
 
         // The plane's own rows of the key and value tiles take its results.
+        let scale = dims.scale;
         stage_accs::<F, N>(
             &acc_k,
             &mut smem_k,
             row0,
             0usize,
-            dims.scale,
-            dims.scale,
+            scale,
+            scale,
             0usize,
             vecs,
             pitch,
@@ -494,28 +280,21 @@ pub(crate) fn mma_dkdv_kernel<F: Float, N: Size>(
             pitch,
         );
         sync_plane();
-        store_dk_dv::<F, N>(
-            &smem_k, &smem_v, dk, dv, &strides, b, hk, k0, row0, dims.seq_k, t,
-        );
+        store_dk_dv::<F, N>(&smem_k, &smem_v, dk, dv, inputs, &own, row0, dims.seq_k, t);
     }
 }
 
 #[cube(launch_unchecked, fast_math = FastMath::all())]
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
-    q: &Tensor<Vector<F, N>>,
-    k: &Tensor<Vector<F, N>>,
-    v: &Tensor<Vector<F, N>>,
-    dout: &Tensor<Vector<F, N>>,
-    lse: &Tensor<f32>,
-    delta: &Tensor<f32>,
-    key_lengths: &Tensor<i32>,
+    inputs: &BackwardInputs<Vector<F, N>, f32>,
     dq: &mut Tensor<Vector<F, N>>,
-    strides: Sequence<usize>,
     dims: AttnDims,
     #[comptime] t: AttnTile,
     #[define(F)] _dtype: StorageType,
 ) {
+    // 32-lane planes: the launcher runs these kernels only there.
+    let lane = UNIT_POS_PLANE as usize;
+    let plane = UNIT_POS as usize / 32;
     let rows = comptime![t.rows as usize];
     let cols = comptime![t.cols as usize];
     let vecs = comptime![t.head_dim as usize / 8];
@@ -523,48 +302,28 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
     let units = comptime![mma_units(t)];
     let ksteps = comptime![t.head_dim as usize / 16];
     let sn = comptime![t.cols as usize / 8];
-    let lane = UNIT_POS_PLANE as usize;
-    let plane = UNIT_POS as usize / 32;
-    let (b, h, qb) = cube_coords(dims.blocks, dims.heads, dims.batch, true, t);
-    if b < dims.batch {
-        let hk = h / dims.group;
-        let q0 = qb * rows;
-        let klen = key_count(key_lengths, b, dims.seq_k, t);
-        let (offset, kb_first, kb_end) =
-            query_block_keys(q0, dims.seq_q, dims.seq_k, klen, dims.window, t);
-        let q_last = select(q0 + rows < dims.seq_q, q0 + rows, dims.seq_q) - 1;
-
+    let own = owned_rows(&dims, &inputs.key_lengths, true, t);
+    if own.b < dims.batch {
+        let b = own.b;
+        let h = own.head;
+        let q0 = own.first;
         let mut smem_q =
             SharedMemory::<Vector<F, N>>::new_aligned(comptime![rows * pitch], 16usize);
         let mut smem_do =
             SharedMemory::<Vector<F, N>>::new_aligned(comptime![rows * pitch], 16usize);
-        let mut smem_k =
-            SharedMemory::<Vector<F, N>>::new_aligned(comptime![2 * cols * pitch], 16usize);
-        let mut smem_v =
-            SharedMemory::<Vector<F, N>>::new_aligned(comptime![2 * cols * pitch], 16usize);
-        let barrier = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
-        let q_base = b * strides[0usize] + h * strides[1usize];
-        let do_base = b * strides[12usize] + h * strides[13usize];
-        let k_base = b * strides[3usize] + hk * strides[4usize];
-        let v_base = b * strides[6usize] + hk * strides[7usize];
+        let q_rows = head_rows(&inputs.strides, b, h, Q);
+        let do_rows = head_rows(&inputs.strides, b, h, DOUT);
+        let hk = h / dims.group;
+        let k_rows = head_rows(&inputs.strides, b, hk, K);
+        let v_rows = head_rows(&inputs.strides, b, hk, V);
+        let seq_q = dims.seq_q;
+        load_tile::<F, N>(&inputs.q, q_rows, q0, seq_q, &mut smem_q, rows, vecs, units);
         load_tile::<F, N>(
-            q,
-            q_base,
-            strides[2usize],
+            &inputs.dout,
+            do_rows,
             q0,
-            dims.seq_q,
-            &mut smem_q,
-            rows,
-            vecs,
-            units,
-        );
-        load_tile::<F, N>(
-            dout,
-            do_base,
-            strides[14usize],
-            q0,
-            dims.seq_q,
+            seq_q,
             &mut smem_do,
             rows,
             vecs,
@@ -574,7 +333,7 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
         let row0 = plane * 16;
         let top = q0 + row0 + lane / 4;
         let col = (lane % 4) * 2;
-        let stat = (b * dims.heads + h) * dims.seq_q;
+        let stat = (b * dims.heads + h) * seq_q;
         // `−lse` and `Δ` of the lane's two rows (scalars: this kernel has
         // no registers to spare for broadcast pairs).
         let mut neg_lse = Array::<f32>::new(2usize);
@@ -582,62 +341,25 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
         #[unroll]
         for r in 0..2usize {
             let row = top + r * 8;
-            let real = row < dims.seq_q;
+            let real = row < seq_q;
             let at = select(real, stat + row, 0usize);
-            neg_lse[r] = -select(real, lse[at], NO_ROW);
-            delta_r[r] = select(real, delta[at], 0.0f32);
+            neg_lse[r] = -select(real, inputs.lse[at], NO_ROW);
+            delta_r[r] = select(real, inputs.delta[at], 0.0f32);
         }
         let mut acc = zero_accs(vecs);
 
-        if kb_first < kb_end {
-            copy_block::<F, N>(
-                k,
-                v,
-                k_base,
-                v_base,
-                &strides,
-                kb_first * cols,
-                dims.seq_k,
-                &mut smem_k,
-                &mut smem_v,
-                0usize,
-                t,
-            );
-        }
-        for kb in kb_first..kb_end {
+        let first = own.block_first;
+        let end = own.block_end;
+        let mut keys = KeyStream::<F, N>::start(
+            &inputs.k, &inputs.v, k_rows, v_rows, dims.seq_k, first, end, t,
+        );
+        for kb in own.block_first..own.block_end {
             let k0 = kb * cols;
-            barrier.commit_copy_async();
-            barrier.arrive_and_wait();
-            let stage = (kb - kb_first) % 2 * cols;
-            if kb + 1 < kb_end {
-                copy_block::<F, N>(
-                    k,
-                    v,
-                    k_base,
-                    v_base,
-                    &strides,
-                    k0 + cols,
-                    dims.seq_k,
-                    &mut smem_k,
-                    &mut smem_v,
-                    cols - stage,
-                    t,
-                );
-            }
-
-            let s = products::<F, N>(&smem_q, row0, &smem_k, stage, 1usize, sn, ksteps, pitch);
+            let stage = keys.wait(&inputs.k, &inputs.v, kb, t);
+            let s = products::<F, N>(&smem_q, row0, &keys.k, stage, 1usize, sn, ksteps, pitch);
             let mut ds =
-                products::<F, N>(&smem_do, row0, &smem_v, stage, 1usize, sn, ksteps, pitch);
-            let k_last = k0 + cols - 1;
-            let full = block_full(
-                q0 + offset,
-                q_last + offset,
-                k0,
-                k_last,
-                klen,
-                dims.window,
-                t,
-            );
+                products::<F, N>(&smem_do, row0, &keys.v, stage, 1usize, sn, ksteps, pitch);
+            let full = keys_full(&own, &dims, k0, t);
             #[unroll]
             for nt in 0..sn {
                 let s_acc = s.index(nt);
@@ -651,7 +373,8 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
                         let mut x = f32::exp(fma(sr[e], dims.scale, neg_lse[r]));
                         if !full {
                             let key = k0 + nt * 8 + col + e;
-                            let ok = allowed(top + r * 8 + offset, key, klen, dims.window, t);
+                            let qpos = top + r * 8 + own.offset;
+                            let ok = allowed(qpos, key, own.klen, dims.window, t);
                             x = select(ok, x, 0.0f32);
                         }
                         dr[e] = x * (dr[e] - delta_r[r]);
@@ -659,30 +382,24 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
                     d_acc[r] = dr;
                 }
             }
-            accumulate_rows::<F, N>(&mut acc, &ds, &smem_k, stage, sn, vecs, pitch);
+            accumulate_rows::<F, N>(&mut acc, &ds, &keys.k, stage, sn, vecs, pitch);
         }
 
+        let scale = dims.scale;
         stage_accs::<F, N>(
             &acc,
             &mut smem_q,
             row0,
             0usize,
-            dims.scale,
-            dims.scale,
+            scale,
+            scale,
             0usize,
             vecs,
             pitch,
         );
         sync_plane();
-        store_rows::<F, N>(
-            &smem_q,
-            row0,
-            dq,
-            b * strides[15usize] + h * strides[16usize],
-            strides[17usize],
-            q0 + row0,
-            dims.seq_q,
-            vecs,
-        );
+        let dq_rows = head_rows(&inputs.strides, b, h, DQ);
+        let first = q0 + row0;
+        store_rows::<F, N>(&smem_q, row0, dq, dq_rows, first, seq_q, vecs);
     }
 }

@@ -7,35 +7,32 @@
 //! through shuffles, the running sum kept per lane and combined once at
 //! the end).
 
-use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use crate::attention::AttnDims;
+use crate::attention::{AttnDims, ForwardInputs};
 
-use super::super::forward::query_block_keys;
-use super::super::tile::{AttnTile, MASKED, MASKED_BELOW, allowed, cube_coords, key_count};
-use super::fragment::{
-    Frag, Pair, Tile, a_base, acc_to_a, cols_base, copy_tile, load_a, load_b_cols, load_b_rows,
-    load_tile, mma_pair, products, quad_max, quad_sum, rows_base, stage_accs, store_rows,
-    zero_accs,
+use super::super::tile::{
+    AttnTile, K, MASKED, MASKED_BELOW, OUT, OwnedRows, Q, V, allowed, head_rows, owned_rows,
 };
-use super::{block_full, mma_units, plane_tiles};
+use super::fragment::{
+    Frag, Pair, Tile, a_base, acc_to_a, cols_base, load_a, load_b_cols, load_b_rows, load_tile,
+    mma_pair, products, quad_max, quad_sum, rows_base, stage_accs, store_rows, zero_accs,
+};
+use super::stream::KeyStream;
+use super::{keys_full, mma_units, plane_tiles};
 
 #[cube(launch_unchecked, fast_math = FastMath::all())]
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
-    q: &Tensor<Vector<F, N>>,
-    k: &Tensor<Vector<F, N>>,
-    v: &Tensor<Vector<F, N>>,
+    inputs: &ForwardInputs<Vector<F, N>>,
     out: &mut Tensor<Vector<F, N>>,
     lse: &mut Tensor<f32>,
-    sinks: &Tensor<f32>,
-    key_lengths: &Tensor<i32>,
-    strides: Sequence<usize>,
     dims: AttnDims,
     #[comptime] t: AttnTile,
     #[define(F)] _dtype: StorageType,
 ) {
+    // 32-lane planes: the launcher runs these kernels only there.
+    let lane = UNIT_POS_PLANE as usize;
+    let plane = UNIT_POS as usize / 32;
     let rows = comptime![t.rows as usize];
     let cols = comptime![t.cols as usize];
     let vecs = comptime![t.head_dim as usize / 8];
@@ -46,34 +43,21 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
     let mt = comptime![plane_tiles(t)];
     // Rows of the plane each lane holds statistics for: two per tile.
     let rl = comptime![2 * mt];
-    let lane = UNIT_POS_PLANE as usize;
-    let plane = UNIT_POS as usize / 32;
-    let (b, h, qb) = cube_coords(dims.blocks, dims.heads, dims.batch, true, t);
-    if b < dims.batch {
-        let hk = h / dims.group;
-        let q0 = qb * rows;
-        let klen = key_count(key_lengths, b, dims.seq_k, t);
-        let (offset, kb_first, kb_end) =
-            query_block_keys(q0, dims.seq_q, dims.seq_k, klen, dims.window, t);
-        let q_last = select(q0 + rows < dims.seq_q, q0 + rows, dims.seq_q) - 1;
-
+    let own = owned_rows(&dims, &inputs.key_lengths, true, t);
+    if own.b < dims.batch {
+        let b = own.b;
+        let h = own.head;
+        let q0 = own.first;
         let mut smem_q =
             SharedMemory::<Vector<F, N>>::new_aligned(comptime![rows * pitch], 16usize);
-        // Two stages of K and V: the next block's copies fly while this
-        // one is multiplied.
-        let mut smem_k =
-            SharedMemory::<Vector<F, N>>::new_aligned(comptime![2 * cols * pitch], 16usize);
-        let mut smem_v =
-            SharedMemory::<Vector<F, N>>::new_aligned(comptime![2 * cols * pitch], 16usize);
-        let barrier = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
-        let q_base = b * strides[0usize] + h * strides[1usize];
-        let k_base = b * strides[3usize] + hk * strides[4usize];
-        let v_base = b * strides[6usize] + hk * strides[7usize];
+        let q_rows = head_rows(&inputs.strides, b, h, Q);
+        let hk = h / dims.group;
+        let k_rows = head_rows(&inputs.strides, b, hk, K);
+        let v_rows = head_rows(&inputs.strides, b, hk, V);
         load_tile::<F, N>(
-            q,
-            q_base,
-            strides[2usize],
+            &inputs.q,
+            q_rows,
             q0,
             dims.seq_q,
             &mut smem_q,
@@ -107,62 +91,25 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
             m_run[r] = MASKED;
             l_run[r] = 0.0f32;
             if comptime![t.sinks] {
-                m_run[r] = sinks[h];
+                m_run[r] = inputs.sinks[h];
                 l_run[r] = select(col == 0, 1.0f32, 0.0f32);
             }
         }
         let mut o = zero_accs(comptime![mt * vecs]);
 
-        if kb_first < kb_end {
-            copy_block::<F, N>(
-                k,
-                v,
-                k_base,
-                v_base,
-                &strides,
-                kb_first * cols,
-                dims.seq_k,
-                &mut smem_k,
-                &mut smem_v,
-                0usize,
-                t,
-            );
-        }
-        for kb in kb_first..kb_end {
+        let first = own.block_first;
+        let end = own.block_end;
+        let mut keys = KeyStream::<F, N>::start(
+            &inputs.k, &inputs.v, k_rows, v_rows, dims.seq_k, first, end, t,
+        );
+        for kb in own.block_first..own.block_end {
             let k0 = kb * cols;
-            barrier.commit_copy_async();
-            barrier.arrive_and_wait();
-            // Every unit is past the previous block: its stage is free.
-            let stage = (kb - kb_first) % 2 * cols;
-            if kb + 1 < kb_end {
-                copy_block::<F, N>(
-                    k,
-                    v,
-                    k_base,
-                    v_base,
-                    &strides,
-                    k0 + cols,
-                    dims.seq_k,
-                    &mut smem_k,
-                    &mut smem_v,
-                    cols - stage,
-                    t,
-                );
-            }
-
-            let mut s = block_scores::<F, N>(&q_frags, &smem_q, row0, &smem_k, stage, pitch, mt, t);
+            let stage = keys.wait(&inputs.k, &inputs.v, kb, t);
+            let mut s = block_scores::<F, N>(&smem_q, row0, &q_frags, &keys.k, stage, mt, t);
 
             // Scale, mask where the block is not entirely visible, and take
             // the block's row maxima.
-            let full = block_full(
-                q0 + offset,
-                q_last + offset,
-                k0,
-                k0 + cols - 1,
-                klen,
-                dims.window,
-                t,
-            );
+            let full = keys_full(&own, &dims, k0, t);
             let mut blk = Array::<f32>::new(rl);
             #[unroll]
             for r in 0..rl {
@@ -170,32 +117,11 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
             }
             // One test per block: a block seen whole runs no per-element
             // check.
+            let row_top = top + own.offset;
             if full {
-                scale_scores(
-                    &mut s,
-                    &mut blk,
-                    dims.scale,
-                    k0,
-                    top + offset,
-                    klen,
-                    dims.window,
-                    false,
-                    mt,
-                    t,
-                );
+                scale_scores(&mut s, &mut blk, k0, row_top, &own, &dims, false, mt, t);
             } else {
-                scale_scores(
-                    &mut s,
-                    &mut blk,
-                    dims.scale,
-                    k0,
-                    top + offset,
-                    klen,
-                    dims.window,
-                    true,
-                    mt,
-                    t,
-                );
+                scale_scores(&mut s, &mut blk, k0, row_top, &own, &dims, true, mt, t);
             }
             // The plane keeps its running maxima (and skips rescaling the
             // output and sums) unless a row's block maximum passes its
@@ -259,7 +185,7 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
                 }
                 #[unroll]
                 for dp in 0..comptime![vecs / 2] {
-                    let pair = load_b_cols::<F, N>(&smem_v, at_v, kk * 16, dp * 16, pitch);
+                    let pair = load_b_cols::<F, N>(&keys.v, at_v, kk * 16, dp * 16, pitch);
                     #[unroll]
                     for m in 0..mt {
                         mma_pair::<F>(p.index(m), &pair, &mut o, comptime![m * vecs + 2 * dp]);
@@ -293,18 +219,12 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
             );
         }
         sync_plane();
+        let out_rows = head_rows(&inputs.strides, b, h, OUT);
         #[unroll]
         for m in 0..mt {
-            store_rows::<F, N>(
-                &smem_q,
-                row0 + m * 16,
-                out,
-                b * strides[9usize] + h * strides[10usize],
-                strides[11usize],
-                q0 + row0 + m * 16,
-                dims.seq_q,
-                vecs,
-            );
+            let tile_row = row0 + m * 16;
+            let row = q0 + row0 + m * 16;
+            store_rows::<F, N>(&smem_q, tile_row, out, out_rows, row, dims.seq_q, vecs);
         }
         if col == 0 {
             let stat = (b * dims.heads + h) * dims.seq_q;
@@ -329,11 +249,10 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
 fn scale_scores(
     s: &mut Sequence<Frag<f32>>,
     blk: &mut Array<f32>,
-    scale: f32,
     k0: usize,
     row_top: usize,
-    klen: usize,
-    window: usize,
+    own: &OwnedRows,
+    dims: &AttnDims,
     #[comptime] masked: bool,
     #[comptime] mt: usize,
     #[comptime] t: AttnTile,
@@ -347,13 +266,13 @@ fn scale_scores(
             let acc = s.index_mut(m * sn + nt);
             #[unroll]
             for hr in 0..2usize {
-                let mut x = acc[hr] * Pair::<f32>::new(scale);
+                let mut x = acc[hr] * Pair::<f32>::new(dims.scale);
                 if comptime![masked] {
                     let key = k0 + nt * 8 + col;
                     let row = row_top + m * 16 + hr * 8;
                     #[unroll]
                     for e in 0..2usize {
-                        let ok = allowed(row, key + e, klen, window, t);
+                        let ok = allowed(row, key + e, own.klen, dims.window, t);
                         x[e] = select(ok, x[e], MASKED);
                     }
                 }
@@ -371,15 +290,15 @@ fn scale_scores(
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn block_scores<F: Float, N: Size>(
-    q_frags: &Sequence<Frag<F>>,
     smem_q: &Tile<F, N>,
     row0: usize,
+    q_frags: &Sequence<Frag<F>>,
     smem_k: &Tile<F, N>,
     stage: usize,
-    #[comptime] pitch: usize,
     #[comptime] mt: usize,
     #[comptime] t: AttnTile,
 ) -> Sequence<Frag<f32>> {
+    let pitch = comptime![t.head_dim as usize / 8 + 1];
     let sn = comptime![t.cols as usize / 8];
     let ksteps = comptime![t.head_dim as usize / 16];
     if comptime![mt == 1] {
@@ -410,50 +329,4 @@ const RESCALE_SLACK: f32 = 5.5;
 #[cube]
 fn reference(m: f32) -> f32 {
     select(m > MASKED_BELOW, m, 0.0f32)
-}
-
-/// Starts the copies of keys and values `first .. first + cols` into rows
-/// `row0 ..` of their staged tiles.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn copy_block<F: Float, N: Size>(
-    k: &Tensor<Vector<F, N>>,
-    v: &Tensor<Vector<F, N>>,
-    k_base: usize,
-    v_base: usize,
-    strides: &Sequence<usize>,
-    first: usize,
-    seq_k: usize,
-    smem_k: &mut SharedMemory<Vector<F, N>>,
-    smem_v: &mut SharedMemory<Vector<F, N>>,
-    row0: usize,
-    #[comptime] t: AttnTile,
-) {
-    let cols = comptime![t.cols as usize];
-    let vecs = comptime![t.head_dim as usize / 8];
-    let units = comptime![mma_units(t)];
-    copy_tile::<F, N>(
-        k,
-        k_base,
-        strides[5usize],
-        first,
-        seq_k,
-        smem_k,
-        row0,
-        cols,
-        vecs,
-        units,
-    );
-    copy_tile::<F, N>(
-        v,
-        v_base,
-        strides[8usize],
-        first,
-        seq_k,
-        smem_v,
-        row0,
-        cols,
-        vecs,
-        units,
-    );
 }

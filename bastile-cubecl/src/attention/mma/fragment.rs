@@ -20,6 +20,8 @@ use cubecl::ir::MatrixIdent;
 use cubecl::prelude::barrier::copy_async;
 use cubecl::prelude::*;
 
+use super::super::tile::HeadRows;
+
 /// Two neighbouring elements of one row, what a lane holds per register.
 pub(crate) type Pair<E> = Vector<E, Const<2>>;
 /// The registers of one fragment or accumulator.
@@ -337,15 +339,13 @@ pub(crate) fn quad_sum(x: f32) -> f32 {
     a + plane_shuffle_xor(a, 2u32)
 }
 
-/// Copies rows `first .. first + rows` of one head (rows `stride` vectors
-/// apart from `base`, `d/8` vectors each) into a padded tile, zeros past
-/// `limit`. Every unit of the cube takes part.
+/// Copies rows `first .. first + rows` of one head (`d/8` vectors each)
+/// into a padded tile, zeros past `limit`. Every unit of the cube takes
+/// part.
 #[cube]
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn load_tile<F: Float, N: Size>(
     src: &Tensor<Vector<F, N>>,
-    base: usize,
-    stride: usize,
+    head: HeadRows,
     first: usize,
     limit: usize,
     tile: &mut Tile<F, N>,
@@ -363,7 +363,7 @@ pub(crate) fn load_tile<F: Float, N: Size>(
             let c = i % vecs;
             let mut value = Vector::<F, N>::new(F::cast_from(0.0f32));
             if first + r < limit {
-                value = src[base + (first + r) * stride + c];
+                value = src[head.base + (first + r) * head.stride + c];
             }
             tile[r * pitch + c] = value;
         }
@@ -371,16 +371,14 @@ pub(crate) fn load_tile<F: Float, N: Size>(
 }
 
 /// Writes rows `row0 .. row0 + 16` of a padded tile to rows `first ..` of
-/// one head in global memory (rows `stride` vectors apart from `base`),
-/// skipping rows at or past `limit`. One plane.
+/// one head in global memory, skipping rows at or past `limit`. One plane.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn store_rows<F: Float, N: Size>(
     tile: &Tile<F, N>,
     row0: usize,
     dst: &mut Tensor<Vector<F, N>>,
-    base: usize,
-    stride: usize,
+    head: HeadRows,
     first: usize,
     limit: usize,
     #[comptime] vecs: usize,
@@ -394,7 +392,7 @@ pub(crate) fn store_rows<F: Float, N: Size>(
         let r = i / vecs;
         let c = i % vecs;
         if i < total && first + r < limit {
-            dst[base + (first + r) * stride + c] = tile[(row0 + r) * pitch + c];
+            dst[head.base + (first + r) * head.stride + c] = tile[(row0 + r) * pitch + c];
         }
     }
 }
@@ -407,8 +405,7 @@ pub(crate) fn store_rows<F: Float, N: Size>(
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn copy_tile<F: Float, N: Size>(
     src: &Tensor<Vector<F, N>>,
-    base: usize,
-    stride: usize,
+    head: HeadRows,
     first: usize,
     limit: usize,
     tile: &mut Tile<F, N>,
@@ -431,9 +428,9 @@ pub(crate) fn copy_tile<F: Float, N: Size>(
     if whole {
         let r = UNIT_POS as usize / vecs;
         let c = UNIT_POS as usize % vecs;
-        let from = base + (first + r) * stride + c;
+        let from = head.base + (first + r) * head.stride + c;
         let to = (row0 + r) * pitch + c;
-        let jump = step * stride;
+        let jump = step * head.stride;
         #[unroll]
         for it in 0..comptime![rows / step] {
             let at = from + it * jump;
@@ -453,7 +450,7 @@ pub(crate) fn copy_tile<F: Float, N: Size>(
                 let c = i % vecs;
                 let dst = (row0 + r) * pitch + c;
                 if first + r < limit {
-                    let at = base + (first + r) * stride + c;
+                    let at = head.base + (first + r) * head.stride + c;
                     copy_async(
                         &src.slice(at, at + 1),
                         &mut tile.slice_mut(dst, dst + 1),

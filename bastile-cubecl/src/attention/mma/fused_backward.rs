@@ -21,16 +21,15 @@
 //!    before and `dq_sum` scales and rounds it into dQ after. The order of
 //!    the additions, so the last bits of dQ, vary from run to run.
 
-use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use crate::attention::AttnDims;
 
-use super::super::backward::query_block_range;
-use super::super::tile::{AttnTile, cube_coords, key_count};
-use super::backward::{Stat, copy_queries, load_keys_values, softmax_grads, store_dk_dv};
-use super::block_full;
+use super::super::tile::{AttnTile, owned_rows};
+use super::backward::{KeySideInputs, load_keys_values, softmax_grads, store_dk_dv};
 use super::fragment::{Frag, accumulate_tiles, products, stage_accs, zero_accs};
+use super::queries_full;
+use super::stream::QueryStream;
 
 /// Four f32 of a dQ row, what one atomic addition takes.
 type Quad = Vector<f32, Const<4>>;
@@ -122,28 +121,15 @@ fn add_dq(
 }
 
 #[cube(launch_unchecked, fast_math = FastMath::all())]
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
-    q: &Tensor<Vector<F, N>>,
-    k: &Tensor<Vector<F, N>>,
-    v: &Tensor<Vector<F, N>>,
-    dout: &Tensor<Vector<F, N>>,
-    lse: &Tensor<Stat>,
-    delta: &Tensor<Stat>,
-    key_lengths: &Tensor<i32>,
+    inputs: &KeySideInputs<F, N>,
     dk: &mut Tensor<Vector<F, N>>,
     dv: &mut Tensor<Vector<F, N>>,
     dq_acc: &mut Tensor<Atomic<Quad>>,
-    strides: Sequence<usize>,
     dims: AttnDims,
     #[comptime] t: AttnTile,
     #[define(F)] _dtype: StorageType,
 ) {
-    let rows = comptime![t.rows as usize];
-    let cols = comptime![t.cols as usize];
-    let d = comptime![t.head_dim as usize];
-    let pitch = comptime![t.head_dim as usize / 8 + 1];
-    let ksteps = comptime![t.head_dim as usize / 16];
     // Phase 1: 32 keys by `cols / 2` queries per plane.
     let sn = comptime![t.cols as usize / 16];
     // Phase 2: 32 keys by `d / 2` columns per plane.
@@ -151,29 +137,24 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
     // Phase 3: 32 queries by `d / dq_split` columns per plane.
     let dq_rows = comptime![dq_query_planes(t.cols as usize)];
     let dq_split = comptime![t.rows as usize / 16 / dq_rows];
+    let d = comptime![t.head_dim as usize];
     let qn = comptime![dq_accumulators(t.rows as usize / 16, t.cols as usize, d)];
-    // `Pᵀ` and `dSᵀ` tiles: keys by queries.
-    let p_pitch = comptime![t.cols as usize / 8 + 1];
+    // 32-lane planes: the launcher runs these kernels only there.
     let lane = UNIT_POS_PLANE as usize;
     let plane = UNIT_POS as usize / 32;
-    let kv_heads = dims.heads / dims.group;
-    let (b, hk, kb) = cube_coords(dims.blocks, kv_heads, dims.batch, false, t);
-    if b < dims.batch {
-        let k0 = kb * rows;
-        let klen = key_count(key_lengths, b, dims.seq_k, t);
-        let offset = dims.seq_k - dims.seq_q;
-        let k_last = select(k0 + rows < dims.seq_k, k0 + rows, dims.seq_k) - 1;
-        let (qb_first, qb_end) = query_block_range(k0, k_last, dims.seq_q, offset, dims.window, t);
-
+    let rows = comptime![t.rows as usize];
+    let cols = comptime![t.cols as usize];
+    let pitch = comptime![t.head_dim as usize / 8 + 1];
+    let ksteps = comptime![t.head_dim as usize / 16];
+    // `Pᵀ` and `dSᵀ` tiles: keys by queries.
+    let p_pitch = comptime![t.cols as usize / 8 + 1];
+    let own = owned_rows(&dims, &inputs.key_lengths, false, t);
+    if own.b < dims.batch {
+        let k0 = own.first;
         let mut smem_k =
             SharedMemory::<Vector<F, N>>::new_aligned(comptime![rows * pitch], 16usize);
         let mut smem_v =
             SharedMemory::<Vector<F, N>>::new_aligned(comptime![rows * pitch], 16usize);
-        let mut smem_q =
-            SharedMemory::<Vector<F, N>>::new_aligned(comptime![2 * cols * pitch], 16usize);
-        let mut smem_do =
-            SharedMemory::<Vector<F, N>>::new_aligned(comptime![2 * cols * pitch], 16usize);
-        let mut smem_stat = SharedMemory::<Stat>::new_aligned(comptime![4 * cols], 16usize);
         let mut smem_p =
             SharedMemory::<Vector<F, N>>::new_aligned(comptime![rows * p_pitch], 16usize);
         let mut smem_ds =
@@ -182,20 +163,7 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
             comptime![dq_stage_floats(t.rows as usize / 16, t.cols as usize, d) / 4],
             16usize,
         );
-        let barrier = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-
-        load_keys_values::<F, N>(
-            k,
-            v,
-            &strides,
-            b,
-            hk,
-            k0,
-            dims.seq_k,
-            &mut smem_k,
-            &mut smem_v,
-            t,
-        );
+        load_keys_values::<F, N>(inputs, &own, dims.seq_k, &mut smem_k, &mut smem_v, t);
 
         // Phase 1 and 2 tiles: 32 keys from `krow`; phase 1 takes query
         // half `plane % 2`, phase 2 head-dim half `plane % 2`.
@@ -210,121 +178,34 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
         let mut acc_v = zero_accs(2 * dn);
 
         // Every (query head of the group, query block) in one sequence.
-        let blocks = select(qb_end > qb_first, qb_end - qb_first, 0usize);
-        let total = dims.group * blocks;
-        if total > 0 {
-            copy_queries::<F, N>(
-                q,
-                dout,
-                lse,
-                delta,
-                &strides,
-                b,
-                hk * dims.group,
-                dims.heads,
-                qb_first,
-                blocks,
-                0usize,
-                dims.seq_q,
-                &mut smem_q,
-                &mut smem_do,
-                &mut smem_stat,
-                t,
-            );
-        }
-        for i in 0..total {
-            barrier.commit_copy_async();
-            // Also the barrier after which the previous block's `Pᵀ` and
-            // `dSᵀ` tiles and its query stage are free.
-            barrier.arrive_and_wait();
-            if i + 1 < total {
-                copy_queries::<F, N>(
-                    q,
-                    dout,
-                    lse,
-                    delta,
-                    &strides,
-                    b,
-                    hk * dims.group,
-                    dims.heads,
-                    qb_first,
-                    blocks,
-                    i + 1,
-                    dims.seq_q,
-                    &mut smem_q,
-                    &mut smem_do,
-                    &mut smem_stat,
-                    t,
-                );
-            }
-            let h = hk * dims.group + i / blocks;
-            let q0 = (qb_first + i % blocks) * cols;
-            let first = (i % 2) * cols;
+        // Waiting for a block is also the barrier after which the
+        // previous block's `Pᵀ` and `dSᵀ` tiles are free.
+        let mut queries = QueryStream::<F, N>::start(inputs, &own, &dims, t);
+        for i in 0..queries.count {
+            let first = queries.wait(inputs, &own, &dims, i, t);
+            let h = queries.head(&own, &dims, i);
+            let q0 = queries.first_query(&own, i, t);
+            let q = queries.q;
+            let dout = queries.dout;
 
             // Phase 1.
-            let mut p = products::<F, N>(
-                &smem_k,
-                krow,
-                &smem_q,
-                first + half_q,
-                2usize,
-                sn,
-                ksteps,
-                pitch,
-            );
-            let mut ds = products::<F, N>(
-                &smem_v,
-                krow,
-                &smem_do,
-                first + half_q,
-                2usize,
-                sn,
-                ksteps,
-                pitch,
-            );
-            let q_last = select(q0 + cols < dims.seq_q, q0 + cols, dims.seq_q) - 1;
+            let q_half = first + half_q;
+            let mut p = products::<F, N>(&smem_k, krow, &q, q_half, 2usize, sn, ksteps, pitch);
+            let mut ds = products::<F, N>(&smem_v, krow, &dout, q_half, 2usize, sn, ksteps, pitch);
             // Keys past the sequence (zero rows of the tiles) count as
             // outside the block, so the mask zeroes their probabilities
             // and no overflow of theirs reaches dQ.
-            let full = block_full(
-                q0 + offset,
-                q_last + offset,
-                k0,
-                k0 + rows - 1,
-                klen,
-                dims.window,
-                t,
-            );
+            let full = queries_full(&own, &dims, q0, k0 + rows - 1, t);
+            let stats = queries.stat;
             softmax_grads(
-                &mut p,
-                &mut ds,
-                &smem_stat,
-                first,
-                half_q,
-                q0 + offset,
-                key_top,
-                full,
-                klen,
-                dims.window,
-                dims.scale,
-                2usize,
-                sn,
+                &mut p, &mut ds, &stats, first, half_q, q0, key_top, full, &own, &dims, 2usize, sn,
                 t,
             );
             #[unroll]
             for m in 0..2usize {
                 let r = krow + m * 16;
-                stage_accs::<F, N>(
-                    &p,
-                    &mut smem_p,
-                    r,
-                    half_q,
-                    1.0f32,
-                    1.0f32,
-                    m * sn,
-                    sn,
-                    p_pitch,
-                );
+                let at = comptime![m * sn];
+                stage_accs::<F, N>(&p, &mut smem_p, r, half_q, 1.0f32, 1.0f32, at, sn, p_pitch);
                 stage_accs::<F, N>(
                     &ds,
                     &mut smem_ds,
@@ -332,7 +213,7 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
                     half_q,
                     1.0f32,
                     1.0f32,
-                    m * sn,
+                    at,
                     sn,
                     p_pitch,
                 );
@@ -342,36 +223,29 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
             // Phase 2.
             let qsteps = comptime![t.cols as usize / 16];
             accumulate_tiles::<F, N>(
-                &mut acc_v, &smem_p, krow, &smem_do, first, half_d, false, p_pitch, pitch, 2usize,
-                dn, qsteps,
+                &mut acc_v, &smem_p, krow, &dout, first, half_d, false, p_pitch, pitch, 2usize, dn,
+                qsteps,
             );
             accumulate_tiles::<F, N>(
-                &mut acc_k, &smem_ds, krow, &smem_q, first, half_d, false, p_pitch, pitch, 2usize,
-                dn, qsteps,
+                &mut acc_k, &smem_ds, krow, &q, first, half_d, false, p_pitch, pitch, 2usize, dn,
+                qsteps,
             );
 
             // Phase 3.
             let mut acc_q = zero_accs(2 * qn);
+            let ksteps_q = comptime![t.rows as usize / 16];
             accumulate_tiles::<F, N>(
-                &mut acc_q,
-                &smem_ds,
-                qrow,
-                &smem_k,
-                0usize,
-                dcol,
-                true,
-                p_pitch,
-                pitch,
-                2usize,
-                qn,
-                comptime![t.rows as usize / 16],
+                &mut acc_q, &smem_ds, qrow, &smem_k, 0usize, dcol, true, p_pitch, pitch, 2usize,
+                qn, ksteps_q,
             );
+            let row_base = (own.b * dims.heads + h) * dims.seq_q;
+            let dq_row = q0 + qrow;
             add_dq(
                 &acc_q,
                 &mut smem_dq,
                 dq_acc,
-                (b * dims.heads + h) * dims.seq_q,
-                q0 + qrow,
+                row_base,
+                dq_row,
                 dcol,
                 dims.seq_q,
                 qn,
@@ -382,20 +256,12 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
         // The key and value tiles take the results once every plane is
         // done reading the key tile; each plane then stores 16 rows.
         sync_cube();
+        let scale = dims.scale;
         #[unroll]
         for m in 0..2usize {
             let r = krow + m * 16;
-            stage_accs::<F, N>(
-                &acc_k,
-                &mut smem_k,
-                r,
-                half_d,
-                dims.scale,
-                dims.scale,
-                m * dn,
-                dn,
-                pitch,
-            );
+            let at = comptime![m * dn];
+            stage_accs::<F, N>(&acc_k, &mut smem_k, r, half_d, scale, scale, at, dn, pitch);
             stage_accs::<F, N>(
                 &acc_v,
                 &mut smem_v,
@@ -403,15 +269,13 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
                 half_d,
                 1.0f32,
                 1.0f32,
-                m * dn,
+                at,
                 dn,
                 pitch,
             );
         }
         sync_cube();
         let row0 = plane * 16;
-        store_dk_dv::<F, N>(
-            &smem_k, &smem_v, dk, dv, &strides, b, hk, k0, row0, dims.seq_k, t,
-        );
+        store_dk_dv::<F, N>(&smem_k, &smem_v, dk, dv, inputs, &own, row0, dims.seq_k, t);
     }
 }

@@ -17,16 +17,17 @@ mod dq_sum;
 mod forward;
 mod fragment;
 mod fused_backward;
+mod stream;
 
 use cubecl::ir::features::AtomicUsage;
 use cubecl::ir::{ElemType, FloatKind, StorageType, Type};
 use cubecl::prelude::*;
 use cubecl::tune::{LocalTuner, local_tuner};
 
-use super::tile::AttnTile;
+use super::tile::{AttnTile, OwnedRows, allowed};
 use super::{
-    AttentionBackwardBuffers, AttentionForwardBuffers, AttentionProblem, AttnKey, HeadLayout,
-    backward_delta_zeroing, dummy, flat_arg, key, seq_strides,
+    AttentionBackwardBuffers, AttentionForwardBuffers, AttentionProblem, AttnDims, AttnKey,
+    HeadLayout, backward_delta_zeroing, flat_arg, key,
 };
 use crate::tune::{CandidateCache, Tuner, run_tuned};
 use crate::{FloatDtype, KernelError, launch};
@@ -243,25 +244,15 @@ pub fn forward_with<R: Runtime>(
     let p = problem;
     let q_blocks = p.seq_q.div_ceil(config.rows());
     let count = launch::cube_count(client, p.batch * p.heads * q_blocks)?;
-    let sinks = b.sinks.clone().unwrap_or_else(|| dummy(client));
-    let lengths = b.key_lengths.clone().unwrap_or_else(|| dummy(client));
+    let cube_dim = CubeDim::new_1d(32 * config.planes);
+    let inputs = b.inputs(client, p, VEC);
+    let out = p.query_arg(&b.out);
+    let lse = flat_arg(&b.lse, p.query_rows());
+    let dims = p.dims_arg::<R>(q_blocks);
+    let dtype = p.dtype.storage();
     unsafe {
         forward::mma_forward_kernel::launch_unchecked::<R>(
-            client,
-            count,
-            CubeDim::new_1d(32 * config.planes),
-            VEC,
-            b.q.arg(p.batch, p.heads, p.seq_q, p.head_dim),
-            b.k.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
-            b.v.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim),
-            b.out.arg(p.batch, p.heads, p.seq_q, p.head_dim),
-            flat_arg(&b.lse, p.query_rows()),
-            flat_arg(&sinks, p.heads),
-            flat_arg(&lengths, p.batch),
-            seq_strides(&b.layouts(), VEC),
-            p.dims_arg::<R>(q_blocks),
-            t,
-            p.dtype.storage(),
+            client, count, cube_dim, VEC, inputs, out, lse, dims, t, dtype,
         )
     }
     Ok(())
@@ -285,14 +276,7 @@ pub fn backward_with<R: Runtime>(
     ready(client, problem, &layouts)?;
     let t = config.check(client, problem, true)?;
     let p = problem;
-    let lengths = b.key_lengths.clone().unwrap_or_else(|| dummy(client));
     let rows = p.query_rows();
-    let q_arg = || b.q.arg(p.batch, p.heads, p.seq_q, p.head_dim);
-    let k_arg = || b.k.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim);
-    let v_arg = || b.v.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim);
-    let do_arg = || b.dout.arg(p.batch, p.heads, p.seq_q, p.head_dim);
-    let dk_arg = || b.dk.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim);
-    let dv_arg = || b.dv.arg(p.batch, p.kv_heads, p.seq_k, p.head_dim);
     // The fused dQ's f32 accumulator, dense `[batch, heads, seq_q, d]`,
     // zeroed by the Δ kernel as it walks the same rows.
     let dq_len = rows * p.head_dim;
@@ -305,28 +289,27 @@ pub fn backward_with<R: Runtime>(
     backward_delta_zeroing(client, problem, buffers, config.fused_dq.then_some(&dq_acc))?;
     let k_blocks = p.seq_k.div_ceil(config.rows());
     let k_count = launch::cube_count(client, p.batch * p.kv_heads * k_blocks)?;
-    let strides = || seq_strides(&layouts, VEC);
+    let cube_dim = CubeDim::new_1d(32 * config.planes);
+    let dk = || p.key_arg(&b.dk);
+    let dv = || p.key_arg(&b.dv);
+    let dtype = p.dtype.storage();
     unsafe {
         if config.fused_dq {
+            let inputs = b.inputs(client, p, VEC);
+            let dq_sums = flat_arg(&dq_acc, dq_len);
+            let dims = p.dims_arg::<R>(k_blocks);
             fused_backward::mma_fused_backward_kernel::launch_unchecked::<R>(
                 client,
                 k_count,
-                CubeDim::new_1d(32 * config.planes),
+                cube_dim,
                 VEC,
-                q_arg(),
-                k_arg(),
-                v_arg(),
-                do_arg(),
-                flat_arg(&b.lse, rows),
-                flat_arg(&b.delta, rows),
-                flat_arg(&lengths, p.batch),
-                dk_arg(),
-                dv_arg(),
-                flat_arg(&dq_acc, dq_len),
-                strides(),
-                p.dims_arg::<R>(k_blocks),
+                inputs,
+                dk(),
+                dv(),
+                dq_sums,
+                dims,
                 t,
-                p.dtype.storage(),
+                dtype,
             );
             let [s_b, s_h, s_q] = b.dq.strides.map(|s| s / VEC);
             dq_sum::round_dq_kernel::launch_unchecked::<R>(
@@ -335,7 +318,7 @@ pub fn backward_with<R: Runtime>(
                 CubeDim::new_1d(256),
                 VEC,
                 flat_arg(&dq_acc, dq_len),
-                b.dq.arg(p.batch, p.heads, p.seq_q, p.head_dim),
+                p.query_arg(&b.dq),
                 s_b,
                 s_h,
                 s_q,
@@ -344,50 +327,34 @@ pub fn backward_with<R: Runtime>(
                 dq_vecs,
                 p.scale,
                 p.head_dim / VEC,
-                p.dtype.storage(),
+                dtype,
             );
         } else {
+            let inputs = b.inputs(client, p, VEC);
+            let dims = p.dims_arg::<R>(k_blocks);
             backward::mma_dkdv_kernel::launch_unchecked::<R>(
                 client,
                 k_count,
-                CubeDim::new_1d(32 * config.planes),
+                cube_dim,
                 VEC,
-                q_arg(),
-                k_arg(),
-                v_arg(),
-                do_arg(),
-                flat_arg(&b.lse, rows),
-                flat_arg(&b.delta, rows),
-                flat_arg(&lengths, p.batch),
-                dk_arg(),
-                dv_arg(),
-                strides(),
-                p.dims_arg::<R>(k_blocks),
+                inputs,
+                dk(),
+                dv(),
+                dims,
                 t,
-                p.dtype.storage(),
+                dtype,
             );
             let q_blocks = p.seq_q.div_ceil(config.rows());
+            let q_count = launch::cube_count(client, p.batch * p.heads * q_blocks)?;
             let t = AttnTile {
                 cols: 2 * t.cols,
                 ..t
             };
+            let inputs = b.inputs(client, p, VEC);
+            let dq = p.query_arg(&b.dq);
+            let dims = p.dims_arg::<R>(q_blocks);
             backward::mma_dq_kernel::launch_unchecked::<R>(
-                client,
-                launch::cube_count(client, p.batch * p.heads * q_blocks)?,
-                CubeDim::new_1d(32 * config.planes),
-                VEC,
-                q_arg(),
-                k_arg(),
-                v_arg(),
-                do_arg(),
-                flat_arg(&b.lse, rows),
-                flat_arg(&b.delta, rows),
-                flat_arg(&lengths, p.batch),
-                b.dq.arg(p.batch, p.heads, p.seq_q, p.head_dim),
-                strides(),
-                p.dims_arg::<R>(q_blocks),
-                t,
-                p.dtype.storage(),
+                client, q_count, cube_dim, VEC, inputs, dq, dims, t, dtype,
             );
         }
     }
@@ -523,10 +490,44 @@ pub(crate) fn plane_tiles(t: AttnTile) -> usize {
     32 / t.upr as usize
 }
 
-/// Whether every query position in `[q_first, q_last]` sees every key in
-/// `[k_first, k_last]`: then the block needs no mask.
+/// Whether every query the cube owns sees every key of the block of
+/// `t.cols` keys from `k0`: then the block needs no mask.
 #[cube]
-pub(crate) fn block_full(
+pub(crate) fn keys_full(
+    own: &OwnedRows,
+    dims: &AttnDims,
+    k0: usize,
+    #[comptime] t: AttnTile,
+) -> bool {
+    let q_first = own.first + own.offset;
+    let q_last = own.last + own.offset;
+    let k_last = k0 + comptime![t.cols as usize] - 1;
+    block_full(q_first, q_last, k0, k_last, own.klen, dims.window, t)
+}
+
+/// Whether every query of the block of `t.cols` queries from `q0` sees
+/// every key of `[own.first, k_last]`: then the block needs no mask.
+#[cube]
+pub(crate) fn queries_full(
+    own: &OwnedRows,
+    dims: &AttnDims,
+    q0: usize,
+    k_last: usize,
+    #[comptime] t: AttnTile,
+) -> bool {
+    let q_end = q0 + comptime![t.cols as usize];
+    let q_row_last = select(q_end < dims.seq_q, q_end, dims.seq_q) - 1;
+    let q_first = q0 + own.offset;
+    let q_last = q_row_last + own.offset;
+    block_full(q_first, q_last, own.first, k_last, own.klen, dims.window, t)
+}
+
+/// Whether every query position in `[q_first, q_last]` sees every key in
+/// `[k_first, k_last]`: the first query sees the last key (a real key, not
+/// in its future) and the last query sees the first key (not a whole
+/// window back); every other pair lies between.
+#[cube]
+fn block_full(
     q_first: usize,
     q_last: usize,
     k_first: usize,
@@ -535,12 +536,5 @@ pub(crate) fn block_full(
     window: usize,
     #[comptime] t: AttnTile,
 ) -> bool {
-    let mut full = k_last < klen;
-    if comptime![t.causal] {
-        full = full && k_last <= q_first;
-    }
-    if comptime![t.window] {
-        full = full && q_last < k_first + window;
-    }
-    full
+    allowed(q_first, k_last, klen, window, t) && allowed(q_last, k_first, klen, window, t)
 }
