@@ -26,18 +26,27 @@ impl Sampler {
         }
     }
 
+    /// Passes over the next `n` examples: the position of a run that has
+    /// drawn `n` so far, whose order the same seed repeats.
+    pub fn skip(&mut self, n: usize) {
+        for _ in 0..n {
+            self.advance();
+        }
+    }
+
+    /// The index of the next example.
+    fn advance(&mut self) -> usize {
+        if self.next == self.order.len() {
+            self.order.shuffle(&mut self.rng);
+            self.next = 0;
+        }
+        self.next += 1;
+        self.order[self.next - 1]
+    }
+
     /// The indices of the next `n` examples.
     pub fn take(&mut self, n: usize) -> Vec<usize> {
-        (0..n)
-            .map(|_| {
-                if self.next == self.order.len() {
-                    self.order.shuffle(&mut self.rng);
-                    self.next = 0;
-                }
-                self.next += 1;
-                self.order[self.next - 1]
-            })
-            .collect()
+        (0..n).map(|_| self.advance()).collect()
     }
 }
 

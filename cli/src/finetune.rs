@@ -1,7 +1,8 @@
 //! `bastile finetune`: supervised finetuning on a JSONL instruction data
 //! set, the prompt masked from the loss, with AdamW, gradient
-//! accumulation, warmup + cosine learning rate, periodic checkpoints and a
-//! final Hugging Face export.
+//! accumulation, warmup + cosine learning rate, periodic checkpoints a run
+//! resumes from (see [`crate::checkpoint`]) and a final Hugging Face
+//! export.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -15,6 +16,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::batches::{Sampler, pad};
 use crate::chat::ChatFormat;
+use crate::checkpoint::{RunSettings, RunState, fingerprint, prune, write_dir_atomically};
 use crate::data::{self, Example};
 use crate::device::{DeviceKind, RunInfo, Task, dispatch};
 use crate::source::{ModelSource, RECORD, recorder};
@@ -51,6 +53,12 @@ pub struct FinetuneOptions {
     pub master_weights: bool,
     /// Write a checkpoint every this many steps.
     pub save_every: Option<usize>,
+    /// Keep only this many of the latest checkpoints.
+    pub keep_last: Option<usize>,
+    /// Continue the run that wrote this checkpoint directory: the model,
+    /// tokenizer, optimizer state, step, schedule and data position come
+    /// from it (`model` is not read); the options must be the run's.
+    pub resume: Option<PathBuf>,
     pub dtype: DTypeArg,
     pub seed: u64,
     /// Draw a progress bar (else a line every `log_every` steps).
@@ -61,11 +69,13 @@ pub struct FinetuneOptions {
 /// What a finetuning run did.
 #[derive(Clone, Debug)]
 pub struct FinetuneReport {
-    /// The loss of every optimizer step.
+    /// The loss of every optimizer step (a resumed run's include the
+    /// steps before the checkpoint).
     pub losses: Vec<f64>,
     /// Tokens trained on (padding excluded).
     pub tokens: usize,
     pub seconds: f64,
+    /// The checkpoints this process wrote that are still there.
     pub checkpoints: Vec<PathBuf>,
     /// The HF export of the final model.
     pub final_dir: PathBuf,
@@ -97,7 +107,14 @@ impl Task for Finetune {
         let o = self.0;
         check_options(&o)?;
         prepare_output(&o.output)?;
-        let source = ModelSource::parse(&o.model)?;
+        let resumed = match &o.resume {
+            Some(dir) => Some((dir.clone(), RunState::load(dir)?)),
+            None => None,
+        };
+        let source = match &resumed {
+            Some((dir, _)) => ModelSource::Dir(dir.clone()),
+            None => ModelSource::parse(&o.model)?,
+        };
         let tokenizer = source.tokenizer(o.tokenizer.as_deref())?;
         B::seed(&device, o.seed);
         let model = source.load::<B>(&device)?;
@@ -133,14 +150,20 @@ impl Task for Finetune {
         let dtype = o.dtype.resolve(&info)?;
         let mut model = model.with_dtype(dtype)?;
         let per_step = o.batch_size * o.grad_accum;
+        // A resumed run's defaults are the schedule it was started with
+        // (the checkpoint is no longer the preset whose defaults those were).
+        let saved = resumed.as_ref().map(|(_, state)| &state.config);
         let epochs = o.epochs.unwrap_or(if source.is_tiny() { 60 } else { 3 });
         let steps = o
             .steps
-            .unwrap_or(epochs * set.examples.len().div_ceil(per_step));
+            .or(saved.map(|c| c.total_steps))
+            .unwrap_or_else(|| epochs * set.examples.len().div_ceil(per_step));
         let default_lr = if source.is_tiny() { 3e-3 } else { 2e-5 };
+        let learning_rate = o.learning_rate.or(saved.map(|c| c.learning_rate));
+        let warmup_steps = o.warmup_steps.or(saved.map(|c| c.warmup_steps));
         let config = TrainConfig {
-            learning_rate: o.learning_rate.unwrap_or(default_lr),
-            warmup_steps: o.warmup_steps.unwrap_or(steps / 20).min(steps),
+            learning_rate: learning_rate.unwrap_or(default_lr),
+            warmup_steps: warmup_steps.unwrap_or(steps / 20).min(steps),
             total_steps: steps,
             weight_decay: o.weight_decay,
             max_grad_norm: o.max_grad_norm,
@@ -148,7 +171,54 @@ impl Task for Finetune {
             master_weights: o.master_weights,
             ..Default::default()
         };
+        let multiple = o.pad_to_multiple.unwrap_or(info.pad_multiple());
+        let settings = RunSettings {
+            batch_size: o.batch_size,
+            grad_accum: o.grad_accum,
+            seed: o.seed,
+            pad_multiple: multiple,
+            dtype: format!("{dtype:?}"),
+            examples: set.examples.len(),
+            data: fingerprint(&set.examples),
+        };
         let mut trainer = Trainer::<B>::new(config)?;
+        let mut sampler = Sampler::new(set.examples.len(), o.seed);
+        let mut report = FinetuneReport {
+            losses: Vec::with_capacity(steps),
+            tokens: 0,
+            seconds: 0.0,
+            checkpoints: Vec::new(),
+            final_dir: o.output.join("final"),
+            truncated: set.truncated,
+            dropped: set.dropped,
+        };
+        let mut drawn = 0;
+        let mut earlier_seconds = 0.0;
+        if let Some((dir, state)) = &resumed {
+            state.check_resumes(&settings, &trainer.config, dir)?;
+            trainer = trainer.load_state(dir, &device)?;
+            if trainer.steps() != state.step {
+                return Err(CliError::io(
+                    dir,
+                    format!(
+                        "run.json is at step {} but the trainer state at step {}",
+                        state.step,
+                        trainer.steps()
+                    ),
+                ));
+            }
+            sampler.skip(state.examples_drawn);
+            drawn = state.examples_drawn;
+            earlier_seconds = state.seconds;
+            report.losses.clone_from(&state.losses);
+            report.tokens = state.tokens;
+            eprintln!(
+                "resuming from {} at step {} of {steps}",
+                dir.display(),
+                state.step
+            );
+        }
+        let done = trainer.steps();
         eprintln!(
             "finetuning {} ({} layers, hidden {}) on {}: {} examples, {steps} steps of \
              {} x {} sequences, {dtype:?}, {format:?} chat format",
@@ -161,16 +231,7 @@ impl Task for Finetune {
             o.batch_size,
         );
         let bar = progress_bar(steps as u64, o.progress);
-        let mut sampler = Sampler::new(set.examples.len(), o.seed);
-        let mut report = FinetuneReport {
-            losses: Vec::with_capacity(steps),
-            tokens: 0,
-            seconds: 0.0,
-            checkpoints: Vec::new(),
-            final_dir: o.output.join("final"),
-            truncated: set.truncated,
-            dropped: set.dropped,
-        };
+        bar.set_position(done as u64);
         // The tokenizer files to copy into checkpoints: the model
         // directory's, unless another tokenizer was named.
         let tokenizer_dir = if o.tokenizer.is_some() {
@@ -179,15 +240,15 @@ impl Task for Finetune {
             source.dir()
         };
         let pad_id = tokenizer.pad_id();
-        let multiple = o.pad_to_multiple.unwrap_or(info.pad_multiple());
         let start = Instant::now();
+        let tokens_before = report.tokens;
         let gpu = info.device != DeviceKind::Cpu;
         if gpu {
             // The first step compiles and tunes every kernel it meets: minutes
             // on a machine that has not run this model before, without a
             // sign of life unless said so.
-            let note = "step 1 compiles and tunes the kernels (minutes the first time on a \
-                        machine, seconds once they are cached)";
+            let note = "the first step compiles and tunes the kernels (minutes the first time \
+                        on a machine, seconds once they are cached)";
             if o.progress {
                 bar.set_message(note);
                 bar.enable_steady_tick(Duration::from_millis(500));
@@ -195,9 +256,10 @@ impl Task for Finetune {
                 eprintln!("{note}");
             }
         }
-        for step in 1..=steps {
+        for step in done + 1..=steps {
             let mut micro = Vec::with_capacity(o.grad_accum);
             for _ in 0..o.grad_accum {
+                drawn += o.batch_size;
                 let picked: Vec<&Example> = sampler
                     .take(o.batch_size)
                     .into_iter()
@@ -217,7 +279,7 @@ impl Task for Finetune {
             model = m;
             let out = out?;
             report.losses.push(out.loss);
-            let rate = report.tokens as f64 / start.elapsed().as_secs_f64();
+            let rate = (report.tokens - tokens_before) as f64 / start.elapsed().as_secs_f64();
             let status = format!(
                 "loss {:.4}  lr {:.2e}  {rate:.0} tok/s",
                 out.loss, out.learning_rate
@@ -225,9 +287,9 @@ impl Task for Finetune {
             if !o.progress && (step % o.log_every == 0 || step == steps) {
                 eprintln!("step {step:>5}/{steps}  {status}");
             }
-            if step == 1 && gpu {
+            if step == done + 1 && gpu {
                 let first = format!(
-                    "step 1 took {:.1} s, compiling and tuning included",
+                    "step {step} took {:.1} s, compiling and tuning included",
                     start.elapsed().as_secs_f64()
                 );
                 if o.progress {
@@ -241,22 +303,45 @@ impl Task for Finetune {
             bar.inc(1);
             if o.save_every.is_some_and(|n| step % n == 0 && step < steps) {
                 let dir = o.output.join(format!("checkpoint-{step}"));
-                save_checkpoint(&model, &tokenizer, tokenizer_dir, &dir)?;
+                let state = RunState {
+                    step,
+                    config: trainer.config.clone(),
+                    examples_drawn: drawn,
+                    tokens: report.tokens,
+                    seconds: earlier_seconds + start.elapsed().as_secs_f64(),
+                    losses: report.losses.clone(),
+                    settings: settings.clone(),
+                };
+                write_dir_atomically(&dir, |d| {
+                    save_checkpoint(&model, &tokenizer, tokenizer_dir, d)?;
+                    trainer.save_state(d)?;
+                    state.save(d)
+                })?;
                 bar.println(format!("saved {}", dir.display()));
                 report.checkpoints.push(dir);
+                if let Some(keep) = o.keep_last {
+                    // The checkpoint resumed from holds the tokenizer files
+                    // later checkpoints copy: it stays.
+                    let resumed_from = o.resume.as_deref();
+                    for gone in prune(&o.output, keep, resumed_from)? {
+                        report.checkpoints.retain(|c| *c != gone);
+                    }
+                }
             }
         }
         bar.finish();
-        report.seconds = start.elapsed().as_secs_f64();
-        model.save_hf_dir(&report.final_dir)?;
-        tokenizer.save_beside(tokenizer_dir, &report.final_dir)?;
+        report.seconds = earlier_seconds + start.elapsed().as_secs_f64();
+        write_dir_atomically(&report.final_dir, |d| {
+            model.save_hf_dir(d)?;
+            tokenizer.save_beside(tokenizer_dir, d)
+        })?;
         let first = report.losses.first().copied().unwrap_or(f64::NAN);
         let last = report.losses.last().copied().unwrap_or(f64::NAN);
         eprintln!(
             "done: {steps} steps in {:.1} s ({:.0} tokens/s), loss {first:.4} -> {last:.4}; \
              model saved to {}",
             report.seconds,
-            report.tokens as f64 / report.seconds,
+            report.tokens as f64 / report.seconds.max(f64::MIN_POSITIVE),
             report.final_dir.display()
         );
         Ok(report)
@@ -271,6 +356,7 @@ fn check_options(o: &FinetuneOptions) -> Result<(), CliError> {
         ("--log-every", o.log_every),
         ("--max-seq", o.max_seq.unwrap_or(2)),
         ("--save-every", o.save_every.unwrap_or(1)),
+        ("--keep-last", o.keep_last.unwrap_or(1)),
         ("--steps", o.steps.unwrap_or(1)),
         ("--epochs", o.epochs.unwrap_or(1)),
     ];

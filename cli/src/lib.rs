@@ -6,6 +6,7 @@
 
 pub mod batches;
 pub mod chat;
+pub mod checkpoint;
 pub mod data;
 pub mod device;
 mod error;

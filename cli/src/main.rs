@@ -100,9 +100,19 @@ enum Command {
         /// (HF Trainer's `bf16=True`); fused AdamW only.
         #[arg(long)]
         master_weights: bool,
-        /// Save a checkpoint every N steps.
+        /// Save a checkpoint every N steps (`OUTPUT/checkpoint-N`, written
+        /// whole or not at all).
         #[arg(long)]
         save_every: Option<usize>,
+        /// Keep only the N latest checkpoints.
+        #[arg(long)]
+        keep_last: Option<usize>,
+        /// Continue the run that wrote this checkpoint directory: model,
+        /// tokenizer, optimizer state, step, schedule and data position come
+        /// from it (`--model` is not read). Pass the run's other options
+        /// again; a setting that would change the run is an error.
+        #[arg(long, value_name = "DIR")]
+        resume: Option<PathBuf>,
         /// Print a line every N steps when no progress bar is drawn.
         #[arg(long, default_value_t = 10)]
         log_every: usize,
@@ -171,6 +181,8 @@ fn run(cli: Cli) -> Result<(), CliError> {
             optimizer,
             master_weights,
             save_every,
+            keep_last,
+            resume,
             log_every,
             common,
         } => {
@@ -196,6 +208,8 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 },
                 master_weights,
                 save_every,
+                keep_last,
+                resume,
                 dtype: common.dtype,
                 seed: common.seed,
                 progress: std::io::stderr().is_terminal(),

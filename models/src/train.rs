@@ -5,15 +5,20 @@
 //!
 //! The optimizer is Bastile's fused AdamW ([`bastile::optim::AdamW`], the
 //! clip folded in), or with [`OptimizerKind::Burn`] Burn's AdamW after a
-//! global-norm clip.
+//! global-norm clip. [`Trainer::save_state`] and [`Trainer::load_state`]
+//! keep the optimizer's state and the step beside a checkpoint, so that a
+//! stopped run resumes where it was.
 
 use bastile::optim::{AdamW as FusedAdamW, AdamWConfig as FusedAdamWConfig, MomentDtype};
 use bastile::{BastileBackend, CrossEntropyOptions, LabelCheck, Reduction};
 use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder, RecorderError};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{BasicOps, Bool, Element, Int, Tensor};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crate::clip::clip_grad_norm;
@@ -21,7 +26,7 @@ use crate::{CausalLm, ModelError};
 
 /// Optimizer and schedule settings (HF `TrainingArguments` names where
 /// they exist).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainConfig {
     pub learning_rate: f64,
     pub warmup_steps: usize,
@@ -42,7 +47,8 @@ pub struct TrainConfig {
 }
 
 /// Which AdamW a [`Trainer`] steps with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum OptimizerKind {
     /// Bastile's fused AdamW: a few launches for all parameters, the clip
     /// folded in.
@@ -186,6 +192,88 @@ where
         self.step
     }
 
+    /// Writes what resuming needs besides the model into `dir`: the
+    /// optimizer's state (moments, master weights, step count; the Burn
+    /// record `optimizer.mpk`, full precision) and `trainer.json` (the
+    /// steps taken and the config, whose schedule they index).
+    pub fn save_state(&self, dir: &Path) -> Result<(), ModelError>
+    where
+        CausalLm<B>: AutodiffModule<B>,
+    {
+        let path = dir.join(OPTIMIZER_RECORD);
+        let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
+        let written = match &self.optimizer {
+            TrainOptimizer::Fused(adamw) => {
+                let record = <FusedAdamW<B> as Optimizer<CausalLm<B>, B>>::to_record(adamw);
+                recorder.record(record, path.clone())
+            }
+            TrainOptimizer::Burn(adamw) => recorder.record(adamw.to_record(), path.clone()),
+        };
+        written.map_err(|e| record_error(&path, e))?;
+        let state = TrainerState {
+            step: self.step,
+            config: self.config.clone(),
+        };
+        let json = serde_json::to_string_pretty(&state).expect("the state serializes");
+        let state_path = dir.join(TRAINER_STATE);
+        std::fs::write(&state_path, json).map_err(|e| ModelError::io(&state_path, e))
+    }
+
+    /// Takes back what [`Self::save_state`] wrote into `dir`: the optimizer
+    /// state and the steps taken, so the next step is the one after them
+    /// on the same schedule. The config must be the one the state was
+    /// saved with (an error names both otherwise), and the model must be
+    /// the checkpoint's, loaded from its record (the state is keyed by its
+    /// parameters' ids).
+    pub fn load_state(mut self, dir: &Path, device: &B::Device) -> Result<Self, ModelError>
+    where
+        CausalLm<B>: AutodiffModule<B>,
+    {
+        let state_path = dir.join(TRAINER_STATE);
+        let text =
+            std::fs::read_to_string(&state_path).map_err(|e| ModelError::io(&state_path, e))?;
+        let state: TrainerState = serde_json::from_str(&text).map_err(|e| ModelError::Json {
+            path: state_path.clone(),
+            message: e.to_string(),
+        })?;
+        if state.config != self.config {
+            return Err(ModelError::Config(format!(
+                "{} was saved with {:?}; this run has {:?}",
+                state_path.display(),
+                state.config,
+                self.config
+            )));
+        }
+        if state.step > self.config.total_steps {
+            return Err(ModelError::Config(format!(
+                "{}: {} steps taken, more than the schedule's {}",
+                state_path.display(),
+                state.step,
+                self.config.total_steps
+            )));
+        }
+        let path = dir.join(OPTIMIZER_RECORD);
+        let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
+        self.optimizer = match self.optimizer {
+            TrainOptimizer::Fused(adamw) => {
+                let record = recorder
+                    .load(path.clone(), device)
+                    .map_err(|e| record_error(&path, e))?;
+                let adamw =
+                    <FusedAdamW<B> as Optimizer<CausalLm<B>, B>>::load_record(adamw, record);
+                TrainOptimizer::Fused(adamw)
+            }
+            TrainOptimizer::Burn(adamw) => {
+                let record = recorder
+                    .load(path.clone(), device)
+                    .map_err(|e| record_error(&path, e))?;
+                TrainOptimizer::Burn(adamw.load_record(record))
+            }
+        };
+        self.step = state.step;
+        Ok(self)
+    }
+
     /// One optimizer step over `micro_batches` (gradient accumulation):
     /// each micro-batch's loss is normalized by the token count of all of
     /// them, so the step follows the mean over every counted token, as one
@@ -309,6 +397,26 @@ where
             },
         })
     }
+}
+
+/// The optimizer record [`Trainer::save_state`] writes (Burn adds `.mpk`).
+const OPTIMIZER_RECORD: &str = "optimizer";
+/// The steps taken and the config, beside the optimizer record.
+const TRAINER_STATE: &str = "trainer.json";
+
+/// The contents of `trainer.json`.
+#[derive(Serialize, Deserialize)]
+struct TrainerState {
+    step: usize,
+    config: TrainConfig,
+}
+
+/// A record that could not be written or read, as an I/O error of its file.
+fn record_error(path: &Path, e: RecorderError) -> ModelError {
+    ModelError::io(
+        path.with_extension("mpk"),
+        std::io::Error::other(e.to_string()),
+    )
 }
 
 /// A step whose passes are queued, and what it will read back.
