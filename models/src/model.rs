@@ -11,7 +11,7 @@ use bastile::{
 use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer};
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Int, Tensor};
+use burn::tensor::{Bool, DType, Int, Tensor};
 
 use crate::ModelError;
 use crate::attention::Attention;
@@ -128,7 +128,7 @@ impl<B: Backend> CausalLm<B> {
         }
     }
 
-    fn check_ids(&self, ids: &Tensor<B, 2, Int>) -> Result<(), ModelError> {
+    fn check_shape(&self, ids: &Tensor<B, 2, Int>) -> Result<(), ModelError> {
         let [b, s] = ids.dims();
         if b == 0 || s == 0 {
             return Err(bastile::BastileError::Shape(format!(
@@ -138,13 +138,103 @@ impl<B: Backend> CausalLm<B> {
         }
         Ok(())
     }
+
+    /// Queues the check of `ids` against the vocabulary, on the device
+    /// (nothing is read): see [`IdCheck`].
+    pub fn check_token_ids(&self, ids: &Tensor<B, 2, Int>) -> IdCheck<B> {
+        IdCheck::new(ids, self.config.vocab_size)
+    }
+}
+
+/// The first token id of a `[batch, seq]` batch outside `[0, vocab)`,
+/// looked for on the device so that a training step can read it with its
+/// other results instead of waiting for it.
+pub struct IdCheck<B: Backend> {
+    /// `[position, id]` of the first offending id (row-major position;
+    /// `batch · seq` when there is none).
+    found: Tensor<B, 1, Int>,
+    seq: usize,
+    positions: usize,
+    vocab: usize,
+}
+
+impl<B: Backend> IdCheck<B> {
+    fn new(ids: &Tensor<B, 2, Int>, vocab: usize) -> Self {
+        let [b, seq] = ids.dims();
+        let positions = b * seq;
+        let flat = ids.clone().reshape([positions]);
+        let bad = flat
+            .clone()
+            .lower_elem(0)
+            .bool_or(flat.clone().greater_equal_elem(vocab as i64));
+        let position = Tensor::<B, 1, Int>::arange(0..positions as i64, &flat.device())
+            .mask_fill(bad.bool_not(), positions as i64)
+            .min();
+        let id = flat.gather(0, position.clone().clamp_max(positions as i64 - 1));
+        Self {
+            found: Tensor::cat(vec![position, id], 0),
+            seq,
+            positions,
+            vocab,
+        }
+    }
+
+    /// `[position, id]` of the first offending id, on the device.
+    pub fn found(&self) -> Tensor<B, 1, Int> {
+        self.found.clone()
+    }
+
+    /// `[1]` on the device: whether an id is out of range.
+    pub fn failed(&self) -> Tensor<B, 1, Bool> {
+        self.found
+            .clone()
+            .slice(0..1)
+            .lower_elem(self.positions as i64)
+    }
+
+    /// What `found`, the values of [`IdCheck::found`], report; `None` when
+    /// every id is in the vocabulary.
+    pub fn error(&self, found: [i64; 2]) -> Option<String> {
+        let [position, id] = found;
+        (position < self.positions as i64).then(|| {
+            let p = position as usize;
+            format!(
+                "input id {id} at row {}, column {} is outside the vocabulary [0, {})",
+                p / self.seq,
+                p % self.seq,
+                self.vocab
+            )
+        })
+    }
+
+    /// Reads the check (this waits for the device).
+    pub fn result(self) -> Result<(), ModelError> {
+        let found: Vec<i64> = self
+            .found
+            .clone()
+            .into_data()
+            .convert::<i64>()
+            .into_vec()
+            .map_err(|e| ModelError::Config(format!("input ids could not be read: {e:?}")))?;
+        match self.error([found[0], found[1]]) {
+            Some(e) => Err(bastile::BastileError::Shape(e).into()),
+            None => Ok(()),
+        }
+    }
 }
 
 impl<B: BastileBackend> CausalLm<B> {
     /// The final hidden states `[batch, seq, hidden]` of token ids
-    /// `[batch, seq]`.
+    /// `[batch, seq]`. An id outside the vocabulary is an error (the ids
+    /// are checked on the device and the answer read back first).
     pub fn hidden(&self, ids: Tensor<B, 2, Int>) -> Result<Tensor<B, 3>, ModelError> {
-        self.check_ids(&ids)?;
+        self.check_shape(&ids)?;
+        self.check_token_ids(&ids).result()?;
+        self.decode(ids)
+    }
+
+    /// [`CausalLm::hidden`] of ids already checked (or clamped).
+    fn decode(&self, ids: Tensor<B, 2, Int>) -> Result<Tensor<B, 3>, ModelError> {
         let [_, s] = ids.dims();
         let device = ids.device();
         let tables = RopeTables::new(s, &self.rotary.inv_freq, self.rotary.scaling, &device);
@@ -174,12 +264,21 @@ impl<B: BastileBackend> CausalLm<B> {
     /// `labels[t + 1]`), with `options.ignore_index` (-100) for positions
     /// that do not count (padding, prompt). Through the fused linear
     /// cross-entropy: the logits are never materialized under `Bastile`.
+    ///
+    /// Rows need at least two positions (a token and the one it
+    /// predicts). Input ids outside the vocabulary are an error, read back
+    /// before the forward pass; with
+    /// [`CrossEntropyOptions::with_deferred_label_check`] nothing is read:
+    /// the ids are clamped into the vocabulary for the lookup and the
+    /// caller checks them with [`CausalLm::check_token_ids`], as it checks
+    /// the labels.
     pub fn loss(
         &self,
         ids: Tensor<B, 2, Int>,
         labels: Tensor<B, 2, Int>,
         options: CrossEntropyOptions,
     ) -> Result<CrossEntropyOutput<B>, ModelError> {
+        self.check_shape(&ids)?;
         let [b, s] = ids.dims();
         let [lb, ls] = labels.dims();
         if (lb, ls) != (b, s) {
@@ -188,6 +287,19 @@ impl<B: BastileBackend> CausalLm<B> {
             ))
             .into());
         }
+        if s < 2 {
+            return Err(bastile::BastileError::Shape(format!(
+                "a shifted loss needs rows of at least 2 positions (a token and the one it \
+                 predicts), got [{b}, {s}]"
+            ))
+            .into());
+        }
+        let ids = if options.defer_label_check {
+            ids.clamp(0, self.config.vocab_size as i64 - 1)
+        } else {
+            self.check_token_ids(&ids).result()?;
+            ids
+        };
         let shifted = Tensor::cat(
             vec![
                 labels.clone().narrow(1, 1, s - 1),
@@ -195,7 +307,7 @@ impl<B: BastileBackend> CausalLm<B> {
             ],
             1,
         );
-        let x = self.hidden(ids)?;
+        let x = self.decode(ids)?;
         let h = self.config.hidden_size;
         Ok(linear_cross_entropy(
             x.reshape([b * s, h]),

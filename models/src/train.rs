@@ -22,6 +22,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crate::clip::clip_grad_norm;
+use crate::model::IdCheck;
 use crate::{CausalLm, ModelError};
 
 /// Optimizer and schedule settings (HF `TrainingArguments` names where
@@ -280,13 +281,15 @@ where
     /// large batch would.
     ///
     /// The whole step is queued before anything is read back: the token
-    /// count and the label check run on the device, and the loss, the
-    /// gradient norm, the count and the check are read once, at the end.
-    /// A label out of range, or a loss or gradient that is not finite, is
+    /// count and the checks of the input ids and labels run on the device,
+    /// and the loss, the gradient norm, the count and the checks are read
+    /// once, at the end. An input id or label out of range, a step in
+    /// which no label counts, or a loss or gradient that is not finite, is
     /// an error naming the step, and that step changes no parameter: the
     /// fused AdamW skips it on the device. Burn's AdamW, which cannot, has
-    /// the labels and the loss read before it runs (one wait inside the
-    /// step). The model comes back either way.
+    /// the checks and the loss read before it runs (one wait inside the
+    /// step). Rows shorter than two positions are an error before anything
+    /// runs. The model comes back either way.
     pub fn step(
         &mut self,
         model: CausalLm<B>,
@@ -379,7 +382,9 @@ where
         let mut accumulator = GradientsAccumulator::new();
         let mut losses = Vec::with_capacity(micro_batches.len());
         let mut checks = Vec::with_capacity(micro_batches.len());
+        let mut id_checks = Vec::with_capacity(micro_batches.len());
         for m in micro_batches {
+            id_checks.push(model.check_token_ids(&m.ids));
             let out = model.loss(m.ids.clone(), m.labels.clone(), options)?;
             let loss = out.loss / divisor.clone();
             losses.push(loss.clone().detach());
@@ -393,6 +398,7 @@ where
                 loss: Tensor::cat(losses, 0).sum(),
                 tokens: total,
                 checks,
+                id_checks,
                 seq: micro_batches.iter().map(|m| m.labels.dims()[1]).collect(),
             },
         })
@@ -431,6 +437,7 @@ struct StepResults<B: AutodiffBackend> {
     loss: Tensor<B, 1>,
     tokens: Tensor<B, 1, Int>,
     checks: Vec<LabelCheck<B>>,
+    id_checks: Vec<IdCheck<B>>,
     /// Each micro-batch's sequence length, to name an offending label's
     /// row and column.
     seq: Vec<usize>,
@@ -447,12 +454,17 @@ fn read_back<B: Backend, K: BasicOps<B>, E: Element>(
 }
 
 impl<B: AutodiffBackend> StepResults<B> {
-    /// `[1]` on the device: the step must change nothing (a label out of
-    /// range, a loss that is not finite).
+    /// `[1]` on the device: the step must change nothing (an input id or
+    /// label out of range, no label that counts, a loss that is not
+    /// finite).
     fn skip(&self) -> Tensor<B, 1, Bool> {
         let loss = &self.loss;
         let mut skip = loss.clone().is_nan().bool_or(loss.clone().is_inf());
+        skip = skip.bool_or(self.tokens.clone().equal_elem(0));
         for check in &self.checks {
+            skip = skip.bool_or(check.failed());
+        }
+        for check in &self.id_checks {
             skip = skip.bool_or(check.failed());
         }
         skip
@@ -462,23 +474,35 @@ impl<B: AutodiffBackend> StepResults<B> {
     /// and returns `(loss, tokens)`, or the error of step number `step`.
     fn read(self, step: usize, norm: Option<Tensor<B, 1>>) -> Result<(f64, usize), ModelError> {
         let mut ints = vec![self.tokens];
+        ints.extend(self.id_checks.iter().map(IdCheck::found));
         ints.extend(self.checks.iter().map(LabelCheck::found));
         let ints: Vec<i64> = read_back(Tensor::cat(ints, 0))?;
+        let step_error = |message: String| Err(ModelError::Step { step, message });
+        for (i, check) in self.id_checks.iter().enumerate() {
+            if let Some(e) = check.error([ints[1 + 2 * i], ints[2 + 2 * i]]) {
+                return step_error(format!("micro-batch {i}: {e}"));
+            }
+        }
+        let labels_at = 1 + 2 * self.id_checks.len();
         for (i, (check, seq)) in self.checks.iter().zip(&self.seq).enumerate() {
-            let found = [ints[1 + 2 * i], ints[2 + 2 * i]];
+            let found = [ints[labels_at + 2 * i], ints[labels_at + 1 + 2 * i]];
             if let Some(e) = check.error(found) {
                 // The loss saw the labels shifted by one: flat position p
                 // is row p / seq, column p % seq + 1 of the batch's labels.
                 let p = found[0] as usize;
-                return Err(ModelError::Step {
-                    step,
-                    message: format!(
-                        "micro-batch {i}, row {}, column {}: {e}",
-                        p / seq,
-                        p % seq + 1
-                    ),
-                });
+                return step_error(format!(
+                    "micro-batch {i}, row {}, column {}: {e}",
+                    p / seq,
+                    p % seq + 1
+                ));
             }
+        }
+        if ints[0] == 0 {
+            return step_error(
+                "no label counts in any micro-batch (each is the ignore index, or in the first \
+                 column, which nothing predicts); the step was skipped and no parameter changed"
+                    .into(),
+            );
         }
         let mut floats = vec![self.loss];
         floats.extend(norm);

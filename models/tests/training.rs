@@ -159,6 +159,47 @@ fn a_failed_step_is_an_error_and_changes_nothing() {
     );
     assert_eq!(trainer.steps(), 1);
 
+    // An input id outside the vocabulary, a step in which no label counts
+    // (the only one is in the first column, which nothing predicts) and
+    // rows too short to predict anything: errors naming what is wrong, and
+    // nothing changes.
+    let ids = |v: Vec<i64>| {
+        let n = v.len();
+        Tensor::<B, 2, Int>::from_data(TensorData::new(v, [1, n]), &device)
+    };
+    let bad_id = [
+        batch([-100, 1, 4, 1, 5, 9]),
+        MicroBatch {
+            ids: ids(vec![3, 1, 4, 1, vocab + 2, 9]),
+            labels: batch([-100, 1, 4, 1, 5, 9]).labels,
+        },
+    ];
+    let no_tokens = [batch([7, -100, -100, -100, -100, -100])];
+    let short = [MicroBatch {
+        ids: ids(vec![3]),
+        labels: ids(vec![3]),
+    }];
+    let mut model = model;
+    for (case, expected) in [
+        (
+            &bad_id[..],
+            format!(
+                "training step 2: micro-batch 1: input id {} at row 0, column 4 is outside the \
+                 vocabulary [0, {vocab})",
+                vocab + 2
+            ),
+        ),
+        (&no_tokens[..], "training step 2: no label counts".into()),
+        (&short[..], "a shifted loss needs rows of at least 2 positions".into()),
+    ] {
+        let (m, out) = trainer.step(model, case);
+        model = m;
+        let err = out.unwrap_err().to_string();
+        assert!(err.contains(&expected), "{err}");
+        assert_eq!(bits(&params(&model)), bits(&before), "{err}");
+        assert_eq!(trainer.steps(), 1);
+    }
+
     // A NaN in the final norm's scale makes the loss and gradients NaN.
     let mut poisoned = model;
     let (id, gamma, _) = poisoned.model.norm.gamma.clone().consume();
