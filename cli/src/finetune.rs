@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use bastile::BastileBackend;
-use bastile_models::{CausalLm, MicroBatch, OptimizerKind, TrainConfig, Trainer};
+use bastile_models::{CausalLm, MicroBatch, ModelError, OptimizerKind, TrainConfig, Trainer};
 use burn::module::Module;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -55,6 +55,9 @@ pub struct FinetuneOptions {
     pub save_every: Option<usize>,
     /// Keep only this many of the latest checkpoints.
     pub keep_last: Option<usize>,
+    /// Skip a step whose loss or gradient is not finite (with a warning)
+    /// instead of stopping; [`MAX_SKIPPED_IN_A_ROW`] in a row still stop.
+    pub skip_nonfinite: bool,
     /// Continue the run that wrote this checkpoint directory: the model,
     /// tokenizer, optimizer state, step, schedule and data position come
     /// from it (`model` is not read); the options must be the run's.
@@ -81,7 +84,13 @@ pub struct FinetuneReport {
     pub final_dir: PathBuf,
     pub truncated: usize,
     pub dropped: usize,
+    /// Batches skipped for a loss or gradient that was not finite.
+    pub skipped: usize,
 }
+
+/// Non-finite steps in a row after which `--skip-nonfinite` stops anyway:
+/// the run has diverged rather than met a bad batch.
+pub const MAX_SKIPPED_IN_A_ROW: usize = 8;
 
 pub struct Finetune(pub FinetuneOptions);
 
@@ -191,6 +200,7 @@ impl Task for Finetune {
             final_dir: o.output.join("final"),
             truncated: set.truncated,
             dropped: set.dropped,
+            skipped: 0,
         };
         let mut drawn = 0;
         let mut earlier_seconds = 0.0;
@@ -256,8 +266,11 @@ impl Task for Finetune {
                 eprintln!("{note}");
             }
         }
-        for step in done + 1..=steps {
+        let mut skipped_in_a_row = 0;
+        while trainer.steps() < steps {
+            let step = trainer.steps() + 1;
             let mut micro = Vec::with_capacity(o.grad_accum);
+            let mut batch_tokens = 0;
             for _ in 0..o.grad_accum {
                 drawn += o.batch_size;
                 let picked: Vec<&Example> = sampler
@@ -266,7 +279,7 @@ impl Task for Finetune {
                     .map(|i| &set.examples[i])
                     .collect();
                 let p = pad(&picked, pad_id, multiple);
-                report.tokens += p.tokens;
+                batch_tokens += p.tokens;
                 micro.push(MicroBatch {
                     ids: Tensor::<B, 2, Int>::from_data(TensorData::new(p.ids, p.shape), &device),
                     labels: Tensor::<B, 2, Int>::from_data(
@@ -277,7 +290,25 @@ impl Task for Finetune {
             }
             let (m, out) = trainer.step(model, &micro);
             model = m;
-            let out = out?;
+            let out = match out {
+                Err(e @ ModelError::NonFinite { .. })
+                    if o.skip_nonfinite && skipped_in_a_row < MAX_SKIPPED_IN_A_ROW =>
+                {
+                    skipped_in_a_row += 1;
+                    report.skipped += 1;
+                    bar.println(format!("warning: {e}; its batch is passed over"));
+                    continue;
+                }
+                Err(e @ ModelError::NonFinite { .. }) if o.skip_nonfinite => {
+                    return Err(CliError::Usage(format!(
+                        "{e}: {MAX_SKIPPED_IN_A_ROW} steps in a row before it were not finite \
+                         either, so training stops (a lower --lr or --max-grad-norm may help)"
+                    )));
+                }
+                out => out?,
+            };
+            skipped_in_a_row = 0;
+            report.tokens += batch_tokens;
             report.losses.push(out.loss);
             let rate = (report.tokens - tokens_before) as f64 / start.elapsed().as_secs_f64();
             let status = format!(

@@ -107,6 +107,10 @@ enum Command {
         /// Keep only the N latest checkpoints.
         #[arg(long)]
         keep_last: Option<usize>,
+        /// Skip a step whose loss or gradient is not finite, with a
+        /// warning, instead of stopping (several in a row still stop).
+        #[arg(long)]
+        skip_nonfinite: bool,
         /// Continue the run that wrote this checkpoint directory: model,
         /// tokenizer, optimizer state, step, schedule and data position come
         /// from it (`--model` is not read). Pass the run's other options
@@ -182,6 +186,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             master_weights,
             save_every,
             keep_last,
+            skip_nonfinite,
             resume,
             log_every,
             common,
@@ -209,6 +214,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 master_weights,
                 save_every,
                 keep_last,
+                skip_nonfinite,
                 resume,
                 dtype: common.dtype,
                 seed: common.seed,

@@ -41,6 +41,7 @@ fn options(output: PathBuf, steps: usize) -> FinetuneOptions {
         master_weights: false,
         save_every: None,
         keep_last: None,
+        skip_nonfinite: false,
         resume: None,
         dtype: DTypeArg::Auto,
         seed: 3,
@@ -213,6 +214,71 @@ fn a_resumed_run_repeats_the_uninterrupted_losses() {
         for dir in [out, first, resumed_out] {
             let _ = std::fs::remove_dir_all(dir);
         }
+    }
+}
+
+/// Whether every float parameter of a module is finite.
+struct AllFinite(bool);
+
+impl<B: burn::tensor::backend::Backend> burn::module::ModuleVisitor<B> for AllFinite {
+    fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<burn::Tensor<B, D>>) {
+        let t = param.val();
+        let bad = t.clone().is_nan().bool_or(t.is_inf()).any().into_data();
+        let bad = bad.to_vec::<bool>().expect("a bool");
+        self.0 &= !bad[0];
+    }
+}
+
+/// A learning rate that blows the weights up makes a later step's loss or
+/// gradient not finite: training stops with an error naming the step, and
+/// the checkpoint before it stays (finite); with `--skip-nonfinite` the bad
+/// batches are passed over until too many come in a row.
+#[test]
+fn a_step_that_is_not_finite_stops_or_is_skipped() {
+    use burn::module::Module;
+    let out = temp_dir("nonfinite");
+    let mut o = options(out.clone(), 20);
+    o.learning_rate = Some(1e38);
+    o.max_grad_norm = None;
+    o.save_every = Some(1);
+    let e = finetune(DeviceKind::Cpu, false, o.clone())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("is not finite"), "{e}");
+    let step: usize = e
+        .strip_prefix("training step ")
+        .and_then(|r| r.split(':').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no step named: {e}"));
+    assert!(step >= 2, "{e}");
+    assert!(!out.join(format!("checkpoint-{step}")).exists());
+    let last = out.join(format!("checkpoint-{}", step - 1));
+    let model = bastile_cli::source::ModelSource::Dir(last.clone())
+        .load::<burn::backend::NdArray>(&Default::default())
+        .unwrap();
+    let mut finite = AllFinite(true);
+    model.visit(&mut finite);
+    assert!(
+        finite.0,
+        "{} holds a value that is not finite",
+        last.display()
+    );
+
+    o.skip_nonfinite = true;
+    o.output = temp_dir("nonfinite-skip");
+    let e = finetune(DeviceKind::Cpu, false, o.clone())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&format!("training step {step}: "))
+            && e.contains(&format!(
+                "{} steps in a row before it were not finite",
+                finetune::MAX_SKIPPED_IN_A_ROW
+            )),
+        "{e}"
+    );
+    for dir in [out, o.output] {
+        let _ = std::fs::remove_dir_all(dir);
     }
 }
 

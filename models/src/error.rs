@@ -30,6 +30,10 @@ pub enum ModelError {
     /// parameter.
     #[error("training step {step}: {message}")]
     Step { step: usize, message: String },
+    /// A training step whose loss or gradient norm is not finite; it was
+    /// skipped and changed no parameter.
+    #[error("training step {step}: {message}")]
+    NonFinite { step: usize, message: String },
     /// A tensor-level mistake reported by Bastile (shape, dtype, device).
     #[error(transparent)]
     Bastile(#[from] bastile::BastileError),

@@ -511,7 +511,7 @@ impl<B: AutodiffBackend> StepResults<B> {
         let norm = floats.get(1).copied();
         if !loss.is_finite() || norm.is_some_and(|n| !n.is_finite()) {
             let norm = norm.map_or(String::new(), |n| format!(", gradient norm {n}"));
-            return Err(ModelError::Step {
+            return Err(ModelError::NonFinite {
                 step,
                 message: format!(
                     "loss {loss}{norm} is not finite; the step was skipped and no parameter changed"

@@ -190,7 +190,10 @@ fn a_failed_step_is_an_error_and_changes_nothing() {
             ),
         ),
         (&no_tokens[..], "training step 2: no label counts".into()),
-        (&short[..], "a shifted loss needs rows of at least 2 positions".into()),
+        (
+            &short[..],
+            "a shifted loss needs rows of at least 2 positions".into(),
+        ),
     ] {
         let (m, out) = trainer.step(model, case);
         model = m;
