@@ -1,5 +1,8 @@
 //! Examples into padded micro-batches, reshuffled every epoch.
 
+use bastile_models::MicroBatch;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Int, Tensor, TensorData};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -59,6 +62,19 @@ pub struct Padded {
     pub shape: [usize; 2],
     /// Tokens that are not padding.
     pub tokens: usize,
+}
+
+impl Padded {
+    /// The batch as tensors on `device`.
+    pub fn to_device<B: AutodiffBackend>(self, device: &B::Device) -> MicroBatch<B> {
+        MicroBatch {
+            ids: Tensor::<B, 2, Int>::from_data(TensorData::new(self.ids, self.shape), device),
+            labels: Tensor::<B, 2, Int>::from_data(
+                TensorData::new(self.labels, self.shape),
+                device,
+            ),
+        }
+    }
 }
 
 /// Pads `examples` to their longest length rounded up to a multiple of

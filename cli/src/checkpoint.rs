@@ -34,6 +34,9 @@ pub struct RunState {
     pub seconds: f64,
     /// The loss of every step taken.
     pub losses: Vec<f64>,
+    /// `(step, loss)` of every evaluation so far.
+    #[serde(default)]
+    pub eval_losses: Vec<(usize, f64)>,
     /// What a resumed run must match.
     pub settings: RunSettings,
 }

@@ -11,7 +11,6 @@ use bastile::BastileBackend;
 use bastile_models::{CausalLm, MicroBatch, ModelError, OptimizerKind, TrainConfig, Trainer};
 use burn::module::Module;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Int, Tensor, TensorData};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::batches::{Sampler, pad};
@@ -19,6 +18,7 @@ use crate::chat::ChatFormat;
 use crate::checkpoint::{RunSettings, RunState, fingerprint, prune, write_dir_atomically};
 use crate::data::{self, Example};
 use crate::device::{DeviceKind, RunInfo, Task, dispatch};
+use crate::eval::hold_out;
 use crate::source::{ModelSource, RECORD, recorder};
 use crate::{CliError, DTypeArg};
 
@@ -30,6 +30,12 @@ pub struct FinetuneOptions {
     pub tokenizer: Option<PathBuf>,
     /// JSONL data; the embedded data set when `None`.
     pub data: Option<PathBuf>,
+    /// JSONL evaluation data, tokenized like the training data.
+    pub eval_data: Option<PathBuf>,
+    /// Hold this fraction of the training examples out for evaluation.
+    pub eval_fraction: Option<f64>,
+    /// Report the evaluation loss every this many steps (and at the end).
+    pub eval_every: Option<usize>,
     pub chat_format: Option<ChatFormat>,
     pub output: PathBuf,
     /// Longer examples are cut to this many tokens.
@@ -86,6 +92,8 @@ pub struct FinetuneReport {
     pub dropped: usize,
     /// Batches skipped for a loss or gradient that was not finite.
     pub skipped: usize,
+    /// `(step, loss)` of every evaluation (with an evaluation set).
+    pub eval_losses: Vec<(usize, f64)>,
 }
 
 /// Non-finite steps in a row after which `--skip-nonfinite` stops anyway:
@@ -136,7 +144,7 @@ impl Task for Finetune {
             None => data::parse(data::EMBEDDED, Path::new("<embedded data set>"))?,
         };
         let max_len = o.max_seq.unwrap_or(model.config.max_positions.min(2048));
-        let set = data::tokenize(&conversations, format, &tokenizer, max_len)?;
+        let mut set = data::tokenize(&conversations, format, &tokenizer, max_len)?;
         if set.truncated > 0 {
             eprintln!(
                 "warning: {} of {} examples are longer than {max_len} tokens and were truncated \
@@ -156,6 +164,29 @@ impl Task for Finetune {
                 "no example has a reply to train on within --max-seq tokens".into(),
             ));
         }
+        let eval_examples = match (&o.eval_data, o.eval_fraction) {
+            (Some(_), Some(_)) => {
+                return Err(CliError::Usage(
+                    "--eval-data and --eval-fraction both name an evaluation set: pass one".into(),
+                ));
+            }
+            (Some(path), None) => {
+                let eval = data::tokenize(&data::load(path)?, format, &tokenizer, max_len)?;
+                if eval.examples.is_empty() {
+                    return Err(CliError::io(
+                        path,
+                        "no example has a reply to evaluate within --max-seq tokens",
+                    ));
+                }
+                eval.examples
+            }
+            (None, Some(fraction)) => {
+                let (train, eval) = hold_out(std::mem::take(&mut set.examples), fraction, o.seed)?;
+                set.examples = train;
+                eval
+            }
+            (None, None) => Vec::new(),
+        };
         let dtype = o.dtype.resolve(&info)?;
         let mut model = model.with_dtype(dtype)?;
         let per_step = o.batch_size * o.grad_accum;
@@ -201,6 +232,7 @@ impl Task for Finetune {
             truncated: set.truncated,
             dropped: set.dropped,
             skipped: 0,
+            eval_losses: Vec::new(),
         };
         let mut drawn = 0;
         let mut earlier_seconds = 0.0;
@@ -221,6 +253,7 @@ impl Task for Finetune {
             drawn = state.examples_drawn;
             earlier_seconds = state.seconds;
             report.losses.clone_from(&state.losses);
+            report.eval_losses.clone_from(&state.eval_losses);
             report.tokens = state.tokens;
             eprintln!(
                 "resuming from {} at step {} of {steps}",
@@ -250,6 +283,14 @@ impl Task for Finetune {
             source.dir()
         };
         let pad_id = tokenizer.pad_id();
+        let eval_batches: Vec<MicroBatch<B>> = eval_examples
+            .chunks(o.batch_size)
+            .map(|chunk| {
+                let picked: Vec<&Example> = chunk.iter().collect();
+                pad(&picked, pad_id, multiple).to_device(&device)
+            })
+            .collect();
+        let mut eval_status = String::new();
         let start = Instant::now();
         let tokens_before = report.tokens;
         let gpu = info.device != DeviceKind::Cpu;
@@ -280,13 +321,7 @@ impl Task for Finetune {
                     .collect();
                 let p = pad(&picked, pad_id, multiple);
                 batch_tokens += p.tokens;
-                micro.push(MicroBatch {
-                    ids: Tensor::<B, 2, Int>::from_data(TensorData::new(p.ids, p.shape), &device),
-                    labels: Tensor::<B, 2, Int>::from_data(
-                        TensorData::new(p.labels, p.shape),
-                        &device,
-                    ),
-                });
+                micro.push(p.to_device(&device));
             }
             let (m, out) = trainer.step(model, &micro);
             model = m;
@@ -311,8 +346,21 @@ impl Task for Finetune {
             report.tokens += batch_tokens;
             report.losses.push(out.loss);
             let rate = (report.tokens - tokens_before) as f64 / start.elapsed().as_secs_f64();
+            if !eval_batches.is_empty()
+                && (step == steps || o.eval_every.is_some_and(|n| step % n == 0))
+            {
+                let loss = Trainer::evaluate(&model, &eval_batches)?;
+                report.eval_losses.push((step, loss));
+                eval_status = format!("  eval {loss:.4}");
+                let line = format!("step {step:>5}/{steps}  eval loss {loss:.4}");
+                if o.progress {
+                    bar.println(line);
+                } else {
+                    eprintln!("{line}");
+                }
+            }
             let status = format!(
-                "loss {:.4}  lr {:.2e}  {rate:.0} tok/s",
+                "loss {:.4}{eval_status}  lr {:.2e}  {rate:.0} tok/s",
                 out.loss, out.learning_rate
             );
             if !o.progress && (step % o.log_every == 0 || step == steps) {
@@ -341,6 +389,7 @@ impl Task for Finetune {
                     tokens: report.tokens,
                     seconds: earlier_seconds + start.elapsed().as_secs_f64(),
                     losses: report.losses.clone(),
+                    eval_losses: report.eval_losses.clone(),
                     settings: settings.clone(),
                 };
                 write_dir_atomically(&dir, |d| {
@@ -388,6 +437,7 @@ fn check_options(o: &FinetuneOptions) -> Result<(), CliError> {
         ("--max-seq", o.max_seq.unwrap_or(2)),
         ("--save-every", o.save_every.unwrap_or(1)),
         ("--keep-last", o.keep_last.unwrap_or(1)),
+        ("--eval-every", o.eval_every.unwrap_or(1)),
         ("--steps", o.steps.unwrap_or(1)),
         ("--epochs", o.epochs.unwrap_or(1)),
     ];

@@ -10,6 +10,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod device;
 mod error;
+pub mod eval;
 pub mod finetune;
 pub mod generate;
 pub mod source;

@@ -44,6 +44,8 @@ struct Common {
     seed: u64,
 }
 
+// Parsed once per process: the finetune variant's size costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Finetune a model on a JSONL instruction data set. With no
@@ -104,6 +106,17 @@ enum Command {
         /// whole or not at all).
         #[arg(long)]
         save_every: Option<usize>,
+        /// JSONL evaluation data (the training data's format): its mean
+        /// loss is reported every `--eval-every` steps and at the end.
+        #[arg(long, value_name = "FILE")]
+        eval_data: Option<PathBuf>,
+        /// Hold this fraction of the training examples out as the
+        /// evaluation set (instead of `--eval-data`).
+        #[arg(long, value_name = "FRACTION")]
+        eval_fraction: Option<f64>,
+        /// Evaluate every N steps (default: only at the end).
+        #[arg(long, value_name = "N")]
+        eval_every: Option<usize>,
         /// Keep only the N latest checkpoints.
         #[arg(long)]
         keep_last: Option<usize>,
@@ -188,6 +201,9 @@ fn run(cli: Cli) -> Result<(), CliError> {
             keep_last,
             skip_nonfinite,
             resume,
+            eval_data,
+            eval_fraction,
+            eval_every,
             log_every,
             common,
         } => {
@@ -195,6 +211,9 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 model,
                 tokenizer: common.tokenizer,
                 data,
+                eval_data,
+                eval_fraction,
+                eval_every,
                 chat_format: common.chat_format,
                 output,
                 max_seq,

@@ -25,6 +25,9 @@ fn options(output: PathBuf, steps: usize) -> FinetuneOptions {
         model: "bastile-tiny".into(),
         tokenizer: None,
         data: None,
+        eval_data: None,
+        eval_fraction: None,
+        eval_every: None,
         chat_format: None,
         output,
         max_seq: None,
@@ -280,6 +283,44 @@ fn a_step_that_is_not_finite_stops_or_is_skipped() {
     for dir in [out, o.output] {
         let _ = std::fs::remove_dir_all(dir);
     }
+}
+
+/// An evaluation set held out of the data, or read from a file: its loss
+/// is reported at every `--eval-every` step and at the end, and falls as
+/// the model learns; naming both sets is refused.
+#[test]
+fn the_evaluation_loss_is_reported_and_falls() {
+    let out = temp_dir("eval");
+    let mut o = options(out.clone(), 30);
+    o.eval_fraction = Some(0.25);
+    o.eval_every = Some(12);
+    let report = finetune(DeviceKind::Cpu, false, o).unwrap();
+    let steps: Vec<usize> = report.eval_losses.iter().map(|(s, _)| *s).collect();
+    assert_eq!(steps, vec![12, 24, 30]);
+    let first = report.eval_losses[0].1;
+    let last = report.eval_losses[2].1;
+    let uniform = (264f64).ln();
+    assert!(
+        first < 0.7 * uniform && last < 0.95 * first,
+        "{:?}",
+        report.eval_losses
+    );
+
+    let file = std::env::temp_dir().join(format!("bastile-ft-eval-{}.jsonl", std::process::id()));
+    let lines: Vec<&str> = include_str!("../data/tiny.jsonl").lines().take(3).collect();
+    std::fs::write(&file, lines.join("\n")).unwrap();
+    let mut o = options(temp_dir("eval-file"), 2);
+    o.eval_data = Some(file.clone());
+    let report = finetune(DeviceKind::Cpu, false, o.clone()).unwrap();
+    assert_eq!(report.eval_losses.len(), 1);
+    assert_eq!(report.eval_losses[0].0, 2);
+    assert!(report.eval_losses[0].1.is_finite());
+
+    o.eval_fraction = Some(0.5);
+    let e = finetune(DeviceKind::Cpu, false, o).unwrap_err().to_string();
+    assert!(e.contains("pass one"), "{e}");
+    let _ = std::fs::remove_dir_all(&out);
+    let _ = std::fs::remove_file(&file);
 }
 
 #[test]

@@ -193,6 +193,39 @@ where
         self.step
     }
 
+    /// The mean loss over every counted token of `batches` (HF's shifted
+    /// cross-entropy, as [`Trainer::step`] computes it), without gradients
+    /// or any change: for an evaluation set. The sums are read once, at the
+    /// end; ids and labels are checked as in a step. An error when no label
+    /// counts.
+    pub fn evaluate(model: &CausalLm<B>, batches: &[MicroBatch<B>]) -> Result<f64, ModelError>
+    where
+        CausalLm<B>: AutodiffModule<B, InnerModule = CausalLm<B::InnerBackend>>,
+    {
+        let model = model.valid();
+        let options = CrossEntropyOptions::default().with_reduction(Reduction::Sum);
+        let mut sums = Vec::with_capacity(batches.len());
+        let mut counts = Vec::with_capacity(batches.len());
+        for m in batches {
+            let out = model.loss(m.ids.clone().inner(), m.labels.clone().inner(), options)?;
+            sums.push(out.loss);
+            counts.push(out.tokens);
+        }
+        if sums.is_empty() {
+            return Err(ModelError::Config(
+                "an evaluation needs at least one batch".into(),
+            ));
+        }
+        let loss: Vec<f64> = read_back(Tensor::cat(sums, 0).sum())?;
+        let tokens: Vec<i64> = read_back(Tensor::cat(counts, 0).sum())?;
+        if tokens[0] == 0 {
+            return Err(ModelError::Config(
+                "no label of the evaluation batches counts".into(),
+            ));
+        }
+        Ok(loss[0] / tokens[0] as f64)
+    }
+
     /// Writes what resuming needs besides the model into `dir`: the
     /// optimizer's state (moments, master weights, step count; the Burn
     /// record `optimizer.mpk`, full precision) and `trainer.json` (the

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 
 use bastile::{BastileBackend, CrossEntropyOptions};
 use bastile_cubecl::testing::runtime_selected;
-use bastile_models::CausalLm;
+use bastile_models::{CausalLm, MicroBatch, Trainer};
 use burn::backend::Autodiff;
 use burn::module::ParamId;
 use burn::optim::GradientsParams;
@@ -182,4 +182,33 @@ fn llama_with_llama3_rope_tied_and_sharded_matches_hf_transformers() {
 #[test]
 fn gpt_oss_with_experts_sinks_and_windows_matches_hf_transformers() {
     each_backend("gpt_oss");
+}
+
+/// The evaluation loss is HF's mean shifted loss over every counted token,
+/// whether the rows come as one batch or one micro-batch each (the mean is
+/// over tokens, not batches).
+#[test]
+fn evaluation_loss_matches_hf_transformers() {
+    type B = Autodiff<burn::backend::NdArray>;
+    let device = Default::default();
+    let r = reference("qwen3");
+    let model = CausalLm::<B>::from_hf_dir(fixture("qwen3"), &device).expect("the fixture loads");
+    let rows = |key: &str, range: std::ops::Range<usize>| {
+        let (shape, v) = &r[key];
+        let cols = shape[1];
+        let vals: Vec<i64> = v[range.start * cols..range.end * cols]
+            .iter()
+            .map(|x| *x as i64)
+            .collect();
+        Tensor::<B, 2, Int>::from_data(TensorData::new(vals, [range.len(), cols]), &device)
+    };
+    let batch = |range: std::ops::Range<usize>| MicroBatch {
+        ids: rows("input_ids", range.clone()),
+        labels: rows("labels", range),
+    };
+    let whole = Trainer::<B>::evaluate(&model, &[batch(0..2)]).unwrap();
+    let split = Trainer::<B>::evaluate(&model, &[batch(0..1), batch(1..2)]).unwrap();
+    for (what, got) in [("one batch", whole), ("a batch a row", split)] {
+        assert_matches(&format!("evaluation, {what}"), &[got], &r["loss"].1);
+    }
 }
