@@ -53,11 +53,19 @@ fn options(output: PathBuf, steps: usize) -> FinetuneOptions {
     }
 }
 
+/// Runs draw their initial weights from the backend's process-wide random
+/// generator, which each seeds: one run at a time, so that no test's
+/// weights depend on another test's draws.
+static ONE_RUN_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn finetune(
     device: DeviceKind,
     bastile: bool,
     o: FinetuneOptions,
 ) -> Result<FinetuneReport, CliError> {
+    let _alone = ONE_RUN_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     finetune::run(device, bastile, o)
 }
 
