@@ -195,9 +195,9 @@ where
 
     /// The mean loss over every counted token of `batches` (HF's shifted
     /// cross-entropy, as [`Trainer::step`] computes it), without gradients
-    /// or any change: for an evaluation set. The sums are read once, at the
-    /// end; ids and labels are checked as in a step. An error when no label
-    /// counts.
+    /// or any change: for an evaluation set. Each batch's ids and labels
+    /// are checked (read back) before its loss; the sums are read once, at
+    /// the end. An error when no label counts.
     pub fn evaluate(model: &CausalLm<B>, batches: &[MicroBatch<B>]) -> Result<f64, ModelError>
     where
         CausalLm<B>: AutodiffModule<B, InnerModule = CausalLm<B::InnerBackend>>,
