@@ -218,18 +218,36 @@ fn each_backend(name: &str) {
         &Default::default(),
         false,
     );
-    if runtime_selected("wgpu", cfg!(feature = "wgpu")) {
-        #[cfg(feature = "wgpu")]
-        {
-            bastile::apply(bastile::Patches::default());
-            check::<Autodiff<bastile::Bastile<burn::backend::Wgpu>>>(
+    on_wgpu(name, false);
+}
+
+/// The fixture under Bastile's fused kernels on the wgpu runtime (first
+/// under the composite ops too when `composite`), held to the float64
+/// reference where the fixture has one; nothing when wgpu is not selected.
+fn on_wgpu(name: &str, composite: bool) {
+    if !runtime_selected("wgpu", cfg!(feature = "wgpu")) {
+        return;
+    }
+    #[cfg(feature = "wgpu")]
+    {
+        if composite {
+            check::<Autodiff<burn::backend::Wgpu>>(
                 name,
-                "wgpu (Bastile)",
+                "wgpu (composite)",
                 &Default::default(),
                 true,
             );
         }
+        bastile::apply(bastile::Patches::default());
+        check::<Autodiff<bastile::Bastile<burn::backend::Wgpu>>>(
+            name,
+            "wgpu (Bastile)",
+            &Default::default(),
+            true,
+        );
     }
+    #[cfg(not(feature = "wgpu"))]
+    let _ = (name, composite);
 }
 
 #[test]
@@ -252,19 +270,8 @@ fn gpt_oss_with_experts_sinks_and_windows_matches_hf_transformers() {
 fn deeper(name: &str) {
     if !runtime_selected("wgpu", cfg!(feature = "wgpu")) {
         eprintln!("{name}: the deeper fixtures run on the wgpu runtime, which is not selected");
-        return;
     }
-    #[cfg(feature = "wgpu")]
-    {
-        check::<Autodiff<burn::backend::Wgpu>>(name, "wgpu (composite)", &Default::default(), true);
-        bastile::apply(bastile::Patches::default());
-        check::<Autodiff<bastile::Bastile<burn::backend::Wgpu>>>(
-            name,
-            "wgpu (Bastile)",
-            &Default::default(),
-            true,
-        );
-    }
+    on_wgpu(name, true);
 }
 
 #[test]
