@@ -61,7 +61,7 @@ pub use ops::attention::{
     AttentionKernels, AttentionOptions, attention, attention_kernels, set_attention_kernels,
 };
 pub use ops::cross_entropy::{
-    CrossEntropyOptions, CrossEntropyOutput, LabelCheck, Reduction, cross_entropy,
+    CrossEntropyOptions, CrossEntropyOutput, LabelCheck, Reduction, cross_entropy, first_flagged,
 };
 pub use ops::geglu::geglu_oss;
 pub use ops::linear_cross_entropy::{LinearGrads, linear_cross_entropy};

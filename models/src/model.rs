@@ -167,12 +167,8 @@ impl<B: Backend> IdCheck<B> {
             .clone()
             .lower_elem(0)
             .bool_or(flat.clone().greater_equal_elem(vocab as i64));
-        let position = Tensor::<B, 1, Int>::arange(0..positions as i64, &flat.device())
-            .mask_fill(bad.bool_not(), positions as i64)
-            .min();
-        let id = flat.gather(0, position.clone().clamp_max(positions as i64 - 1));
         Self {
-            found: Tensor::cat(vec![position, id], 0),
+            found: bastile::first_flagged(&flat, bad),
             seq,
             positions,
             vocab,

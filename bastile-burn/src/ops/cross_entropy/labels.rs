@@ -2,7 +2,7 @@
 //! back once together with the token count.
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{Bool, Int, Tensor};
 
 use super::CrossEntropyOptions;
 use crate::BastileError;
@@ -38,14 +38,8 @@ impl<B: Backend> LabelCheck<B> {
             .bool_or(labels.clone().greater_equal_elem(vocab as i64));
         let bad = counted.clone().bool_and(outside);
         let tokens = counted.bool_and(bad.clone().bool_not()).int().sum();
-        let position = Tensor::<B, 1, Int>::arange(0..rows as i64, &labels.device())
-            .mask_fill(bad.bool_not(), rows as i64)
-            .min();
-        let label = labels
-            .clone()
-            .gather(0, position.clone().clamp_max(rows as i64 - 1));
         let check = Self {
-            found: Tensor::cat(vec![position, label], 0),
+            found: first_flagged(labels, bad),
             rows,
             vocab,
             ignore_index,
@@ -60,7 +54,7 @@ impl<B: Backend> LabelCheck<B> {
     }
 
     /// `[1]` on the device: whether a label is out of range.
-    pub fn failed(&self) -> Tensor<B, 1, burn::tensor::Bool> {
+    pub fn failed(&self) -> Tensor<B, 1, Bool> {
         self.found.clone().slice(0..1).lower_elem(self.rows as i64)
     }
 
@@ -84,6 +78,24 @@ impl<B: Backend> LabelCheck<B> {
             None => Ok(()),
         }
     }
+}
+
+/// `[position, value]` of the first element of `values` (`[N]`, `N ≥ 1`)
+/// that `flagged` marks, on the device; the position is `N` (and the value
+/// the last element's) when none is. What the label and input-id checks
+/// find and read back with a step's other results.
+pub fn first_flagged<B: Backend>(
+    values: &Tensor<B, 1, Int>,
+    flagged: Tensor<B, 1, Bool>,
+) -> Tensor<B, 1, Int> {
+    let [n] = values.dims();
+    let position = Tensor::<B, 1, Int>::arange(0..n as i64, &values.device())
+        .mask_fill(flagged.bool_not(), n as i64)
+        .min();
+    let value = values
+        .clone()
+        .gather(0, position.clone().clamp_max(n as i64 - 1));
+    Tensor::cat(vec![position, value], 0)
 }
 
 /// An int tensor's values, read back.
