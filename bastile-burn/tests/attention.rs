@@ -29,8 +29,42 @@ struct Case {
     window: Option<usize>,
     sinks: bool,
     key_lengths: Option<Vec<usize>>,
+    /// Per batch entry, the lengths of the documents its row packs (the
+    /// positions after them form one more).
+    documents: Option<Vec<Vec<usize>>>,
     /// Build q, k, v as `[batch, seq, heads, d]` and view them head-major.
     seq_major: bool,
+}
+
+impl Case {
+    /// Each key position's place in its document, `[batch, seq_k]`.
+    fn positions(&self) -> Option<Vec<i64>> {
+        let rows = self.documents.as_ref()?;
+        let mut positions = Vec::with_capacity(self.batch * self.seq_k);
+        for lengths in rows {
+            let rest = self.seq_k - lengths.iter().sum::<usize>();
+            for &n in lengths.iter().chain([&rest]) {
+                positions.extend(0..n as i64);
+            }
+        }
+        Some(positions)
+    }
+
+    /// The document of every key position, as the reference takes it.
+    fn document_ids(&self) -> Option<Vec<usize>> {
+        let mut doc = 0;
+        let positions = self.positions()?;
+        Some(
+            positions
+                .iter()
+                .enumerate()
+                .map(|(i, &p)| {
+                    doc += usize::from(p == 0 && i > 0);
+                    doc
+                })
+                .collect(),
+        )
+    }
 }
 
 struct Inputs {
@@ -73,6 +107,9 @@ fn run<X: BastileBackend>(c: &Case, x: &Inputs, dtype: DType, device: &X::Device
         let data: Vec<i64> = l.iter().map(|&n| n as i64).collect();
         Tensor::<Autodiff<X>, 1, Int>::from_data(TensorData::new(data, [c.batch]), device)
     });
+    let positions = c.positions().map(|p| {
+        Tensor::<Autodiff<X>, 2, Int>::from_data(TensorData::new(p, [c.batch, c.seq_k]), device)
+    });
     let options = AttentionOptions {
         scale: None,
         causal: c.causal,
@@ -84,6 +121,7 @@ fn run<X: BastileBackend>(c: &Case, x: &Inputs, dtype: DType, device: &X::Device
         v.clone(),
         sinks.clone(),
         lengths,
+        positions,
         options,
     )
     .unwrap();
@@ -127,6 +165,7 @@ fn check<B: BastileBackend + bastile::ops::KernelBackend>(
         causal: c.causal,
         window: c.window,
         key_lengths: c.key_lengths.clone(),
+        documents: c.document_ids(),
         sinks: c.sinks.then(|| x.sinks.clone()),
     };
     let (out_ref, _) = reference::forward(&spec, &x.q, &x.k, &x.v);
@@ -138,6 +177,7 @@ fn check<B: BastileBackend + bastile::ops::KernelBackend>(
         scale: spec.scale,
         causal: c.causal,
         window: c.window,
+        documents: c.documents.is_some(),
     };
     assert!(
         bastile::fused::is_fused::<Bastile<B>, _>(
@@ -199,6 +239,7 @@ backend_test! {
                 window: None,
                 sinks: true,
                 key_lengths: None,
+                documents: None,
                 seq_major: true,
             },
             Case {
@@ -212,6 +253,7 @@ backend_test! {
                 window: Some(5),
                 sinks: true,
                 key_lengths: Some(vec![13]),
+                documents: None,
                 seq_major: false,
             },
             Case {
@@ -225,7 +267,24 @@ backend_test! {
                 window: None,
                 sinks: false,
                 key_lengths: Some(vec![12, 5]),
+                documents: None,
                 seq_major: false,
+            },
+            // Packed rows: documents of one position, odd lengths, one
+            // document filling its row; a window and sinks on top.
+            Case {
+                batch: 3,
+                heads: 4,
+                kv_heads: 2,
+                seq_q: 29,
+                seq_k: 29,
+                head_dim: 64,
+                causal: true,
+                window: Some(9),
+                sinks: true,
+                key_lengths: None,
+                documents: Some(vec![vec![1, 10, 1], vec![29], vec![13]]),
+                seq_major: true,
             },
         ];
         // Both kernel families; blocks of 8 query rows split every case
@@ -282,6 +341,7 @@ backend_test! {
                 causal,
                 window: None,
                 key_lengths: None,
+                documents: None,
                 sinks: None,
             };
             let (expected, _) = reference::forward(&spec, &x[0], &x[1], &x[2]);
@@ -309,7 +369,7 @@ fn attention_rejects_bad_input() {
                 options: AttentionOptions| {
         let sinks = sinks.map(|n| Tensor::<B, 1>::zeros([n], &device));
         let lengths = lengths.map(|n| Tensor::<B, 1, Int>::zeros([n], &device));
-        attention(t(q), t(k), t(v), sinks, lengths, options)
+        attention(t(q), t(k), t(v), sinks, lengths, None, options)
     };
     let ok = AttentionOptions::default();
     let good = [1, 2, 4, 8];
@@ -340,4 +400,21 @@ fn attention_rejects_bad_input() {
         ..ok
     };
     assert!(config_err(call([good; 3], None, None, bad_scale)));
+    // Positions of the wrong shape; documents without the causal mask.
+    let with_positions = |dims: [usize; 2], causal: bool| {
+        let positions = Tensor::<B, 2, Int>::zeros(dims, &device);
+        let options = AttentionOptions { causal, ..ok };
+        attention(
+            t(good),
+            t(good),
+            t(good),
+            None,
+            None,
+            Some(positions),
+            options,
+        )
+    };
+    assert!(shape_err(with_positions([1, 5], true)));
+    assert!(config_err(with_positions([1, 4], false)));
+    assert!(with_positions([1, 4], true).is_ok());
 }

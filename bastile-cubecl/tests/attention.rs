@@ -25,6 +25,9 @@ struct Case {
     window: Option<usize>,
     sinks: bool,
     key_lengths: Option<Vec<usize>>,
+    /// Per batch entry, the lengths of the documents its row packs (the
+    /// positions after them form one more).
+    documents: Option<Vec<Vec<usize>>>,
     /// Store q, k, v, dout as `[batch, seq, heads, head_dim]` (what a
     /// projection's reshape gives) instead of head-major.
     seq_major: bool,
@@ -47,6 +50,7 @@ impl Case {
             window: None,
             sinks: false,
             key_lengths: None,
+            documents: None,
             seq_major: false,
             rising: false,
         }
@@ -79,6 +83,44 @@ fn poisoned_layout<R: Runtime>(
 ) -> HeadLayout {
     let [b, h, s, d] = dims;
     HeadLayout::dense(poisoned(client, dtype, b * h * s * d), h, s, d)
+}
+
+impl Case {
+    /// The document of every key position, `[batch, seq_k]`.
+    fn document_ids(&self) -> Option<Vec<usize>> {
+        let rows = self.documents.as_ref()?;
+        let mut ids = Vec::with_capacity(self.batch * self.seq_k);
+        for lengths in rows {
+            let mut row: Vec<usize> = lengths
+                .iter()
+                .enumerate()
+                .flat_map(|(doc, &n)| std::iter::repeat_n(doc, n))
+                .collect();
+            assert!(
+                row.len() <= self.seq_k,
+                "{lengths:?} overflow {}",
+                self.seq_k
+            );
+            row.resize(self.seq_k, lengths.len());
+            ids.extend(row);
+        }
+        Some(ids)
+    }
+
+    /// Where each key position's document starts, as the kernels take it.
+    fn document_starts(&self) -> Option<Vec<i32>> {
+        let ids = self.document_ids()?;
+        let mut starts = vec![0i32; ids.len()];
+        for (i, id) in ids.iter().enumerate() {
+            let p = i % self.seq_k;
+            starts[i] = if p > 0 && ids[i - 1] == *id {
+                starts[i - 1]
+            } else {
+                p as i32
+            };
+        }
+        Some(starts)
+    }
 }
 
 fn round_all(dtype: FloatDtype, values: impl IntoIterator<Item = f64>) -> Vec<f64> {
@@ -137,6 +179,7 @@ fn check<R: Runtime>(
         causal: c.causal,
         window: c.window,
         key_lengths: c.key_lengths.clone(),
+        documents: c.document_ids(),
         sinks: c.sinks.then(|| sinks.clone()),
     };
     let (out_ref, lse_ref) = reference::forward(&spec, &q, &k, &v);
@@ -148,6 +191,10 @@ fn check<R: Runtime>(
         let bytes: Vec<u8> = l.iter().flat_map(|&n| (n as i32).to_le_bytes()).collect();
         client.create_from_slice(&bytes)
     });
+    let starts_h = c.document_starts().map(|s| {
+        let bytes: Vec<u8> = s.iter().flat_map(|n| n.to_le_bytes()).collect();
+        client.create_from_slice(&bytes)
+    });
     let fwd = AttentionForwardBuffers {
         q: place(client, dtype, &q, q_dims, c.seq_major),
         k: place(client, dtype, &k, k_dims, c.seq_major),
@@ -156,6 +203,7 @@ fn check<R: Runtime>(
         lse: poisoned(client, FloatDtype::F32, rows),
         sinks: sinks_h.clone(),
         key_lengths: lengths_h.clone(),
+        doc_starts: starts_h.clone(),
     };
     match config {
         Path::Tiled(Some(cfg)) => attention::forward_with(client, &problem, &fwd, cfg).unwrap(),
@@ -190,6 +238,7 @@ fn check<R: Runtime>(
         lse: fwd.lse.clone(),
         sinks: sinks_h,
         key_lengths: lengths_h,
+        doc_starts: starts_h,
         dq: poisoned_layout(client, dtype, q_dims),
         dk: poisoned_layout(client, dtype, k_dims),
         dv: poisoned_layout(client, dtype, k_dims),
@@ -324,7 +373,22 @@ fn option_cases() -> Vec<Case> {
     cross.causal = false;
     cross.seq_k = 4;
     cases.push(cross);
+    cases.extend(packed_cases());
     cases
+}
+
+/// Rows packing several documents: documents of one position, odd
+/// lengths, one document filling its row, and documents under a window,
+/// sinks and padding at once.
+fn packed_cases() -> Vec<Case> {
+    let mut packed = Case::new(3, 4, 2, 70, 64);
+    packed.documents = Some(vec![vec![1, 1, 33, 35], vec![70], vec![17, 1, 1, 40]]);
+    let mut everything = Case::new(2, 4, 1, 150, 64);
+    everything.documents = Some(vec![vec![50, 3, 60], vec![1, 148]]);
+    everything.window = Some(20);
+    everything.sinks = true;
+    everything.key_lengths = Some(vec![150, 120]);
+    vec![packed, everything]
 }
 
 struct Options;
@@ -433,6 +497,7 @@ impl RuntimeTest for Rejects {
             lse: client.empty(64),
             sinks: None,
             key_lengths: None,
+            doc_starts: None,
         };
         let base = AttentionProblem {
             batch: 1,
@@ -446,9 +511,29 @@ impl RuntimeTest for Rejects {
             window: None,
             sinks: false,
             key_lengths: false,
+            documents: false,
             dtype: FloatDtype::F32,
         };
         for bad in [
+            // Documents end at the query only under the causal mask.
+            AttentionProblem {
+                documents: true,
+                causal: false,
+                ..base
+            },
+            // Documents, sinks or key lengths named with no buffer.
+            AttentionProblem {
+                documents: true,
+                ..base
+            },
+            AttentionProblem {
+                sinks: true,
+                ..base
+            },
+            AttentionProblem {
+                key_lengths: true,
+                ..base
+            },
             AttentionProblem {
                 kv_heads: 3,
                 ..base
@@ -498,6 +583,7 @@ fn problem_of(c: &Case, dtype: FloatDtype) -> AttentionProblem {
         window: c.window,
         sinks: c.sinks,
         key_lengths: c.key_lengths.is_some(),
+        documents: c.documents.is_some(),
         dtype,
     }
 }
@@ -528,6 +614,7 @@ impl RuntimeTest for TensorCores {
                 lse: client.empty(1024),
                 sinks: None,
                 key_lengths: None,
+                doc_starts: None,
             };
             let cfg = MmaLaunch {
                 planes: 4,

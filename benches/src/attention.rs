@@ -43,12 +43,12 @@ const CAUSAL: AttentionOptions = AttentionOptions {
 
 fn forward<X: BastileBackend>(x: &[Tensor<X, 4>; 3]) -> Tensor<X, 4> {
     let [q, k, v] = x.clone();
-    attention(q, k, v, None, None, CAUSAL).expect("valid attention")
+    attention(q, k, v, None, None, None, CAUSAL).expect("valid attention")
 }
 
 fn forward_backward<X: BastileBackend>(x: &[Tensor<Autodiff<X>, 4>; 3]) -> impl Sized {
     let [q, k, v] = x.clone().map(|t| t.require_grad());
-    let out = attention(q, k, v, None, None, CAUSAL).expect("valid attention");
+    let out = attention(q, k, v, None, None, None, CAUSAL).expect("valid attention");
     // Seeded with ones, the gradient `out.sum()` would pass down, without
     // timing the sum and its backward; the PyTorch script seeds the same way.
     out.backward()

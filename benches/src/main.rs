@@ -12,6 +12,7 @@ mod copy;
 mod geglu;
 mod linear_cross_entropy;
 mod matmul;
+mod packing;
 mod passes;
 mod progress;
 mod pytorch;
@@ -143,6 +144,12 @@ pub struct Args {
     /// with `--op attention`: `burn` or `bastile` (both when omitted).
     #[arg(long = "impl", value_enum, value_delimiter = ',')]
     pub implementation: Vec<train::TrainImpl>,
+    /// Training: what the steps train on (`full`: random tokens filling
+    /// every row; `padded` / `packed`: an instruction data set of mixed
+    /// lengths, one example per row or packed into rows of `--seq`
+    /// tokens, reported in trained tokens per second).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "full")]
+    pub layout: Vec<packing::DataLayout>,
     /// Training: timed steps (after two warm-up steps).
     #[arg(long, default_value_t = 5)]
     pub steps: usize,

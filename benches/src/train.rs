@@ -1,6 +1,8 @@
 //! End-to-end training steps: a model preset with random weights in bf16
-//! (f32 on the software Vulkan device), AdamW, one micro-batch of random tokens per step; milliseconds per step,
-//! tokens per second and reserved device memory.
+//! (f32 on the software Vulkan device), AdamW, one micro-batch per step
+//! (random tokens filling every row, or an instruction data set padded or
+//! packed: [`DataLayout`]); milliseconds per step, trained tokens per
+//! second and device memory.
 //!
 //! Each (implementation, batch, sequence) runs in a process of its own (the
 //! binary runs itself again with `--impl`), so every memory reading starts
@@ -21,6 +23,7 @@ use burn::tensor::{DType, Distribution, Int, Tensor};
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 
+use crate::packing::{DataLayout, micro_batches};
 use crate::report::Report;
 use crate::{Args, progress};
 
@@ -127,19 +130,25 @@ pub fn sweep(args: &Args, models: &[String], report: &mut Report) {
             context.min(args.max_seq),
         );
         for &batch in args.batches() {
-            let mut failed: Vec<TrainImpl> = Vec::new();
+            let mut failed: Vec<(TrainImpl, DataLayout)> = Vec::new();
             for &seq in &seqs {
-                for &imp in &impls {
-                    if failed.contains(&imp) {
+                for (&imp, &layout) in impls
+                    .iter()
+                    .flat_map(|i| args.layout.iter().map(move |l| (i, l)))
+                {
+                    if failed.contains(&(imp, layout)) {
                         continue;
                     }
                     let mut name = imp.name().to_string();
                     if args.attention != crate::AttentionArg::Auto && imp != TrainImpl::Burn {
                         name = format!("{name}, {} attention", attention_name(args));
                     }
+                    if layout != DataLayout::Full {
+                        name = format!("{name}, {}", layout.name());
+                    }
                     let task = format!("train {model} batch {batch} seq {seq} {dtype}: {name}");
                     progress::task(&task);
-                    let mut row = child(&exe, args, &task, model, batch, seq, imp);
+                    let mut row = child(&exe, args, &task, model, (batch, seq), imp, layout);
                     row.implementation = name;
                     match (&row.ms_per_step, &row.error) {
                         (Some(ms), _) => progress::log(format!(
@@ -149,7 +158,7 @@ pub fn sweep(args: &Args, models: &[String], report: &mut Report) {
                         )),
                         (None, Some(e)) => {
                             progress::log(format!("   failed: {e}"));
-                            failed.push(imp);
+                            failed.push((imp, layout));
                         }
                         (None, None) => {}
                     }
@@ -168,9 +177,9 @@ fn child(
     args: &Args,
     task: &str,
     model: &str,
-    batch: usize,
-    seq: usize,
+    (batch, seq): (usize, usize),
     imp: TrainImpl,
+    layout: DataLayout,
 ) -> TrainRow {
     let failed = |error: String| TrainRow {
         model: model.into(),
@@ -201,6 +210,7 @@ fn child(
         .args(["--steps", &args.steps.to_string(), "--child"])
         .args(["--attention", attention_name(args)])
         .args(["--dtype", args.dtype_name()])
+        .args(["--layout", layout.name()])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn();
@@ -315,6 +325,7 @@ where
         seq,
         dtype: args.dtype(),
         steps: args.steps,
+        layout: args.layout.first().copied().unwrap_or(DataLayout::Full),
     };
     let row = match imp {
         TrainImpl::Burn => measure::<R, Autodiff<B>>(device, &run),
@@ -344,6 +355,7 @@ struct Run<'a> {
     seq: usize,
     dtype: DType,
     steps: usize,
+    layout: DataLayout,
 }
 
 fn measure<R, A>(device: &A::Device, run: &Run) -> Result<TrainRow, String>
@@ -359,50 +371,78 @@ where
         seq,
         dtype,
         steps,
+        layout,
     } = run;
     let config = presets::preset(model).map_err(|e| e.to_string())?;
     let started = Instant::now();
     let mut lm = CausalLm::<A>::init(&config, device)
         .and_then(|m| m.with_dtype(dtype))
         .map_err(|e| e.to_string())?;
-    let vocab = lm.config.vocab_size as f64;
-    let ids = Tensor::<A, 2, Int>::random([batch, seq], Distribution::Uniform(0.0, vocab), device);
-    let data = [MicroBatch {
-        ids: ids.clone(),
-        labels: ids,
-    }];
+    let vocab = lm.config.vocab_size;
+    let timed_steps = steps.max(1);
+    // Each step's micro-batch and its trained tokens.
+    let data: Vec<(MicroBatch<A>, usize)> = if layout == DataLayout::Full {
+        let uniform = Distribution::Uniform(0.0, vocab as f64);
+        let ids = Tensor::<A, 2, Int>::random([batch, seq], uniform, device);
+        let full = MicroBatch {
+            ids: ids.clone(),
+            labels: ids,
+            positions: None,
+        };
+        vec![(full, batch * seq)]
+    } else {
+        micro_batches(layout, batch, seq, vocab, timed_steps, device)
+    };
+    let timed: Vec<usize> = (0..timed_steps).map(|i| i % data.len()).collect();
+    // Warm-up: two steps, and one of every other shape the timed steps
+    // meet (each new shape compiles and tunes kernels, a cost a long run
+    // pays once).
+    let shape = |i: usize| data[i].0.ids.dims();
+    let mut warmup = vec![timed[0], timed[0]];
+    for &i in &timed {
+        if !warmup.iter().any(|&w| shape(w) == shape(i)) {
+            warmup.push(i);
+        }
+    }
     let mut trainer = Trainer::<A>::new(TrainConfig {
         learning_rate: 1e-5,
         ..TrainConfig::default()
     })
     .map_err(|e| e.to_string())?;
-    // Two warm-up steps: kernel compilation and autotuning happen there.
+    // Kernel compilation and autotuning happen in the warm-up steps.
     // Every step ends with its loss read back, i.e. a device sync.
-    let warmup = 2;
     let mut times = Vec::new();
     let mut host = Vec::new();
+    let mut tokens = 0;
     let mut first_step = 0.0;
-    for i in 0..warmup + steps.max(1) {
+    let steps = warmup
+        .iter()
+        .map(|&i| (i, true))
+        .chain(timed.iter().map(|&i| (i, false)));
+    for (n, (i, warm)) in steps.enumerate() {
         let t = Instant::now();
-        let (next, out) = trainer.step(lm, &data);
+        let (next, out) = trainer.step(lm, std::slice::from_ref(&data[i].0));
         lm = next;
         let out = out.map_err(|e| e.to_string())?;
         let secs = t.elapsed().as_secs_f64();
         eprintln!(
-            "step {i}: loss {:.4}, {:.1} ms (host {:.1} ms){}",
+            "step {n}: {:?}, loss {:.4}, {:.1} ms (host {:.1} ms){}",
+            shape(i),
             out.loss,
             secs * 1e3,
             out.host_seconds * 1e3,
-            if i < warmup { " (warm-up)" } else { "" }
+            if warm { " (warm-up)" } else { "" }
         );
-        if i == 0 {
+        if n == 0 {
             first_step = secs;
         }
-        if i >= warmup {
+        if !warm {
             times.push(secs);
             host.push(out.host_seconds);
+            tokens += data[i].1;
         }
     }
+    let total: f64 = times.iter().sum();
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
@@ -429,7 +469,11 @@ where
             peak
         })
     };
-    let (_, out) = trainer.step(lm, &data);
+    // The largest micro-batch of the run.
+    let largest = (0..data.len())
+        .max_by_key(|&i| shape(i).iter().product::<usize>())
+        .expect("at least one micro-batch");
+    let (_, out) = trainer.step(lm, std::slice::from_ref(&data[largest].0));
     stop.store(true, Ordering::Relaxed);
     out.map_err(|e| e.to_string())?;
     let in_use = sampler.join().map_err(|_| "the memory sampler panicked")?;
@@ -441,7 +485,8 @@ where
         dtype: crate::dtype_name(dtype).into(),
         implementation: imp.name().into(),
         ms_per_step: Some(secs * 1e3),
-        tokens_per_s: Some((batch * seq) as f64 / secs),
+        // Trained (non-padding) tokens over the timed steps' wall time.
+        tokens_per_s: Some(tokens as f64 / total),
         peak_mib: Some(usage.bytes_reserved as f64 / MIB),
         in_use_mib: Some(in_use as f64 / MIB),
         first_step_s: Some(first_step),

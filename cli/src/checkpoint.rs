@@ -49,6 +49,9 @@ pub struct RunSettings {
     pub grad_accum: usize,
     pub seed: u64,
     pub pad_multiple: usize,
+    /// The row length packed micro-batches fill; `None` without packing.
+    #[serde(default)]
+    pub packed_length: Option<usize>,
     /// The parameter dtype, as Burn names it.
     pub dtype: String,
     /// Examples in the tokenized data set.
@@ -95,6 +98,11 @@ impl RunState {
             now.pad_multiple,
             then.pad_multiple,
         );
+        let packing = |s: &RunSettings| match s.packed_length {
+            Some(n) => format!("rows of {n} tokens"),
+            None => "off".into(),
+        };
+        d.compare("packing", packing(now), packing(then));
         d.compare("--dtype", &now.dtype, &then.dtype);
         let data =
             |s: &RunSettings| format!("{} examples, fingerprint {:016x}", s.examples, s.data);

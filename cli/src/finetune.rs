@@ -13,10 +13,10 @@ use burn::module::Module;
 use burn::tensor::backend::AutodiffBackend;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::batches::{Sampler, pad};
+use crate::batches::{Batcher, Sampler, packed_rows};
 use crate::chat::ChatFormat;
 use crate::checkpoint::{RunSettings, RunState, fingerprint, prune, write_dir_atomically};
-use crate::data::{self, Example};
+use crate::data;
 use crate::device::{DeviceKind, RunInfo, Task, dispatch};
 use crate::eval::hold_out;
 use crate::source::{ModelSource, RECORD, recorder};
@@ -40,7 +40,11 @@ pub struct FinetuneOptions {
     pub output: PathBuf,
     /// Longer examples are cut to this many tokens.
     pub max_seq: Option<usize>,
+    /// Rows (packed) or examples (not packed) per micro-batch.
     pub batch_size: usize,
+    /// Pack whole examples into rows as long as the longest example (each
+    /// attending only to itself); else one example per row, padded.
+    pub packing: bool,
     /// Pad batches to a multiple of this length (default: the device's
     /// [`RunInfo::pad_multiple`]).
     pub pad_to_multiple: Option<usize>,
@@ -190,6 +194,21 @@ impl Task for Finetune {
         let dtype = o.dtype.resolve(&info)?;
         let mut model = model.with_dtype(dtype)?;
         let per_step = o.batch_size * o.grad_accum;
+        let multiple = o.pad_to_multiple.unwrap_or(info.pad_multiple());
+        // Packed rows hold the longest example (rounded up to the padding
+        // multiple, within --max-seq): no batch needs more memory than the
+        // padded batch of that example would.
+        let longest = set.examples.iter().chain(&eval_examples);
+        let longest = longest.map(|e| e.ids.len()).max().unwrap_or(1);
+        let row_len = longest.next_multiple_of(multiple.max(1)).min(max_len);
+        // What an epoch fills: examples, or the rows packing them in order
+        // fills (the shuffled order packs about as tightly).
+        let epoch_units = if o.packing {
+            let lengths: Vec<usize> = set.examples.iter().map(|e| e.ids.len()).collect();
+            packed_rows(&lengths, row_len)
+        } else {
+            set.examples.len()
+        };
         // A resumed run's defaults are the schedule it was started with
         // (the checkpoint is no longer the preset whose defaults those were).
         let saved = resumed.as_ref().map(|(_, state)| &state.config);
@@ -197,7 +216,7 @@ impl Task for Finetune {
         let steps = o
             .steps
             .or(saved.map(|c| c.total_steps))
-            .unwrap_or_else(|| epochs * set.examples.len().div_ceil(per_step));
+            .unwrap_or_else(|| (epochs * epoch_units).div_ceil(per_step));
         let default_lr = if source.is_tiny() { 3e-3 } else { 2e-5 };
         let learning_rate = o.learning_rate.or(saved.map(|c| c.learning_rate));
         let warmup_steps = o.warmup_steps.or(saved.map(|c| c.warmup_steps));
@@ -211,12 +230,12 @@ impl Task for Finetune {
             master_weights: o.master_weights,
             ..Default::default()
         };
-        let multiple = o.pad_to_multiple.unwrap_or(info.pad_multiple());
         let settings = RunSettings {
             batch_size: o.batch_size,
             grad_accum: o.grad_accum,
             seed: o.seed,
             pad_multiple: multiple,
+            packed_length: o.packing.then_some(row_len),
             dtype: format!("{dtype:?}"),
             examples: set.examples.len(),
             data: fingerprint(&set.examples),
@@ -249,7 +268,7 @@ impl Task for Finetune {
                     ),
                 ));
             }
-            sampler.skip(state.examples_drawn);
+            sampler.pass_over(state.examples_drawn);
             drawn = state.examples_drawn;
             earlier_seconds = state.seconds;
             report.losses.clone_from(&state.losses);
@@ -262,9 +281,14 @@ impl Task for Finetune {
             );
         }
         let done = trainer.steps();
+        let rows = if o.packing {
+            format!("rows of {row_len} tokens, each packing whole examples")
+        } else {
+            "examples, one per row".into()
+        };
         eprintln!(
             "finetuning {} ({} layers, hidden {}) on {}: {} examples, {steps} steps of \
-             {} x {} sequences, {dtype:?}, {format:?} chat format",
+             {} x {} {rows}, {dtype:?}, {format:?} chat format",
             o.model,
             model.config.layers,
             model.config.hidden_size,
@@ -283,13 +307,19 @@ impl Task for Finetune {
             source.dir()
         };
         let pad_id = tokenizer.pad_id();
-        let eval_batches: Vec<MicroBatch<B>> = eval_examples
-            .chunks(o.batch_size)
-            .map(|chunk| {
-                let picked: Vec<&Example> = chunk.iter().collect();
-                pad(&picked, pad_id, multiple).to_device(&device)
-            })
-            .collect();
+        let batcher = Batcher {
+            packing: o.packing,
+            rows: o.batch_size,
+            row_len,
+            pad_id,
+            multiple,
+        };
+        let mut eval_order = (0..eval_examples.len()).peekable();
+        let eval_batches: Vec<MicroBatch<B>> =
+            std::iter::from_fn(|| batcher.next(&mut eval_order, &eval_examples))
+                .map(|(batch, _)| batch.to_device(&device))
+                .collect();
+        let mut order = sampler.peekable();
         let mut eval_status = String::new();
         let start = Instant::now();
         let tokens_before = report.tokens;
@@ -313,15 +343,12 @@ impl Task for Finetune {
             let mut micro = Vec::with_capacity(o.grad_accum);
             let mut batch_tokens = 0;
             for _ in 0..o.grad_accum {
-                drawn += o.batch_size;
-                let picked: Vec<&Example> = sampler
-                    .take(o.batch_size)
-                    .into_iter()
-                    .map(|i| &set.examples[i])
-                    .collect();
-                let p = pad(&picked, pad_id, multiple);
-                batch_tokens += p.tokens;
-                micro.push(p.to_device(&device));
+                let (batch, count) = batcher
+                    .next(&mut order, &set.examples)
+                    .expect("the sampler never ends");
+                drawn += count;
+                batch_tokens += batch.tokens;
+                micro.push(batch.to_device(&device));
             }
             let (m, out) = trainer.step(model, &micro);
             model = m;

@@ -67,8 +67,15 @@ enum Command {
         /// context, at most 2048).
         #[arg(long)]
         max_seq: Option<usize>,
+        /// Rows per micro-batch (each packing several examples), or
+        /// examples per micro-batch with --no-packing.
         #[arg(long, default_value_t = 8)]
         batch_size: usize,
+        /// One example per row, padded to the batch's longest, instead of
+        /// packing whole examples into rows as long as the longest example
+        /// (each attending only to itself, its positions restarting at 0).
+        #[arg(long)]
+        no_packing: bool,
         /// Pad batches to a multiple of this many tokens (default: 64 on a
         /// GPU, where each new length compiles and tunes new kernels; 1 on
         /// the CPU).
@@ -187,6 +194,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             output,
             max_seq,
             batch_size,
+            no_packing,
             pad_to_multiple,
             grad_accum,
             epochs,
@@ -218,6 +226,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 output,
                 max_seq,
                 batch_size,
+                packing: !no_packing,
                 pad_to_multiple,
                 grad_accum,
                 epochs,

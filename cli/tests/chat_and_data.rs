@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use bastile_cli::CliError;
-use bastile_cli::batches::{Sampler, pad};
+use bastile_cli::batches::{Batcher, Sampler, pack, pack_rows, packed_rows, pad};
 use bastile_cli::chat::{self, ChatFormat, IGNORE, Message};
 use bastile_cli::data;
 use bastile_cli::generate::pick;
@@ -232,10 +232,76 @@ fn batches_pad_on_the_right_and_epochs_cover_every_example() {
     assert_eq!(p.tokens, 4);
     let mut s = Sampler::new(5, 1);
     for _ in 0..3 {
-        let mut epoch = s.take(5);
+        let mut epoch: Vec<usize> = s.by_ref().take(5).collect();
         epoch.sort();
         assert_eq!(epoch, vec![0, 1, 2, 3, 4]);
     }
+}
+
+#[test]
+fn packing_fills_rows_with_whole_examples_each_its_own_document() {
+    let example = |n: u32| data::Example {
+        ids: (1..=n).collect(),
+        labels: (1..=n).map(i64::from).collect(),
+    };
+    // Lengths 3, 4, 2, 5, 1 into two rows of 8: [3, 4] (2 does not fit),
+    // [2, 5, 1]; nothing is left.
+    let examples: Vec<data::Example> = [3, 4, 2, 5, 1].map(example).into();
+    let length = |i: usize| examples[i].ids.len();
+    let mut order = (0..5).peekable();
+    assert_eq!(
+        pack_rows(&mut order, length, 2, 8),
+        vec![vec![0, 1], vec![2, 3, 4]]
+    );
+    assert!(order.peek().is_none());
+    // One row at a time: the example that fits no row left stays first.
+    let mut order = (0..5).peekable();
+    assert_eq!(pack_rows(&mut order, length, 1, 8), vec![vec![0, 1]]);
+    assert_eq!(order.peek(), Some(&2));
+    assert_eq!(pack_rows(&mut order, length, 1, 8), vec![vec![2, 3, 4]]);
+    assert!(pack_rows(&mut order, length, 1, 8).is_empty());
+    assert_eq!(packed_rows(&[3, 4, 2, 5, 1], 8), 2);
+    assert_eq!(packed_rows(&[8, 8, 1], 8), 3);
+
+    // Positions restart with each example, whose first label is ignored;
+    // the padding (to the longest row, rounded up to 4) is one more
+    // document of ignored labels.
+    let rows = vec![vec![&examples[0], &examples[1]], vec![&examples[4]]];
+    let p = pack(&rows, 9, 4);
+    assert_eq!(p.shape, [2, 8]);
+    assert_eq!(p.ids, vec![1, 2, 3, 1, 2, 3, 4, 9, 1, 9, 9, 9, 9, 9, 9, 9]);
+    let i = IGNORE;
+    assert_eq!(
+        p.labels,
+        vec![i, 2, 3, i, 2, 3, 4, i, i, i, i, i, i, i, i, i]
+    );
+    assert_eq!(
+        p.positions,
+        Some(vec![0, 1, 2, 0, 1, 2, 3, 0, 0, 0, 1, 2, 3, 4, 5, 6])
+    );
+    assert_eq!(p.tokens, 8);
+
+    // The batcher draws from the sampler until its rows are full, and
+    // says how many examples it took; without packing it pads a batch of
+    // examples.
+    let batcher = Batcher {
+        packing: true,
+        rows: 2,
+        row_len: 8,
+        pad_id: 9,
+        multiple: 1,
+    };
+    let mut order = (0..5).peekable();
+    let (batch, taken) = batcher.next(&mut order, &examples).unwrap();
+    assert_eq!((batch.shape, taken, batch.tokens), ([2, 8], 5, 15));
+    assert!(batcher.next(&mut order, &examples).is_none());
+    let padded = Batcher {
+        packing: false,
+        ..batcher
+    };
+    let mut order = (0..5).peekable();
+    let (batch, taken) = padded.next(&mut order, &examples).unwrap();
+    assert_eq!((batch.shape, taken, batch.positions), ([2, 4], 2, None));
 }
 
 #[test]

@@ -32,6 +32,7 @@ fn options(output: PathBuf, steps: usize) -> FinetuneOptions {
         output,
         max_seq: None,
         batch_size: 8,
+        packing: true,
         pad_to_multiple: None,
         grad_accum: 1,
         epochs: None,
@@ -199,12 +200,14 @@ fn a_resumed_run_repeats_the_uninterrupted_losses() {
         other.resume = Some(first.join("checkpoint-3"));
         other.batch_size = 4;
         other.seed = 5;
+        other.packing = false;
         let e = finetune(DeviceKind::Cpu, true, other)
             .unwrap_err()
             .to_string();
         assert!(
             e.contains("--batch-size 4 (the checkpoint has 6)")
-                && e.contains("--seed 5 (the checkpoint has 3)"),
+                && e.contains("--seed 5 (the checkpoint has 3)")
+                && e.contains("packing off (the checkpoint has rows of"),
             "{e}"
         );
         let mut other = o.clone();
@@ -295,11 +298,13 @@ fn a_step_that_is_not_finite_stops_or_is_skipped() {
 
 /// An evaluation set held out of the data, or read from a file: its loss
 /// is reported at every `--eval-every` step and at the end, and falls as
-/// the model learns; naming both sets is refused.
+/// the model learns; naming both sets is refused. One example per row
+/// (`--no-packing`), as the other runs pack.
 #[test]
 fn the_evaluation_loss_is_reported_and_falls() {
     let out = temp_dir("eval");
     let mut o = options(out.clone(), 30);
+    o.packing = false;
     o.eval_fraction = Some(0.25);
     o.eval_every = Some(12);
     let report = finetune(DeviceKind::Cpu, false, o).unwrap();

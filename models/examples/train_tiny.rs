@@ -21,6 +21,7 @@ fn main() -> Result<(), ModelError> {
     let batch = MicroBatch {
         ids: Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, 16]), &device),
         labels: Tensor::<B, 2, Int>::from_data(TensorData::new(labels, [1, 16]), &device),
+        positions: None,
     };
     let steps = 10;
     let mut trainer = Trainer::<B>::new(TrainConfig {

@@ -9,8 +9,8 @@ use bastile::{
 };
 use burn::module::{Module, Param};
 use burn::nn::{Initializer, Linear, LinearConfig};
-use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor};
 
 use crate::ModelError;
 use crate::config::ModelConfig;
@@ -71,11 +71,15 @@ impl<B: Backend> Attention<B> {
 }
 
 impl<B: BastileBackend> Attention<B> {
-    /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`.
+    /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`, with RoPE from
+    /// `tables`. With `positions` (`[batch, seq]`, each token's place in
+    /// its document), rows pack several documents and each token attends
+    /// only to its own document.
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
         tables: &RopeTables<B>,
+        positions: Option<&Tensor<B, 2, Int>>,
     ) -> Result<Tensor<B, 3>, ModelError> {
         let [b, s, _] = x.dims();
         let (nh, nkv, d) = (self.heads, self.kv_heads, self.head_dim);
@@ -104,6 +108,7 @@ impl<B: BastileBackend> Attention<B> {
             v.swap_dims(1, 2),
             self.sinks.as_ref().map(|s| s.val()),
             None,
+            positions.cloned(),
             options,
         )?;
         Ok(self

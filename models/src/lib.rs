@@ -18,5 +18,5 @@ pub mod train;
 
 pub use config::{Architecture, HfConfig, ModelConfig, MoeConfig};
 pub use error::ModelError;
-pub use model::CausalLm;
+pub use model::{CausalLm, packed_labels};
 pub use train::{MicroBatch, OptimizerKind, StepOutput, TrainConfig, Trainer};

@@ -128,11 +128,25 @@ impl<B: Backend> CausalLm<B> {
         }
     }
 
-    fn check_shape(&self, ids: &Tensor<B, 2, Int>) -> Result<(), ModelError> {
+    /// Non-empty ids, and packed positions of their shape.
+    fn check_shape(
+        &self,
+        ids: &Tensor<B, 2, Int>,
+        positions: Option<&Tensor<B, 2, Int>>,
+    ) -> Result<(), ModelError> {
         let [b, s] = ids.dims();
         if b == 0 || s == 0 {
             return Err(bastile::BastileError::Shape(format!(
                 "input ids must be a non-empty [batch, seq] tensor, got [{b}, {s}]"
+            ))
+            .into());
+        }
+        if let Some(p) = positions
+            && p.dims() != [b, s]
+        {
+            return Err(bastile::BastileError::Shape(format!(
+                "packed positions are {:?} but input ids are [{b}, {s}]",
+                p.dims()
             ))
             .into());
         }
@@ -224,21 +238,52 @@ impl<B: BastileBackend> CausalLm<B> {
     /// `[batch, seq]`. An id outside the vocabulary is an error (the ids
     /// are checked on the device and the answer read back first).
     pub fn hidden(&self, ids: Tensor<B, 2, Int>) -> Result<Tensor<B, 3>, ModelError> {
-        self.check_shape(&ids)?;
-        self.check_token_ids(&ids).result()?;
-        self.decode(ids)
+        self.hidden_of(ids, None)
     }
 
-    /// [`CausalLm::hidden`] of ids already checked (or clamped).
-    fn decode(&self, ids: Tensor<B, 2, Int>) -> Result<Tensor<B, 3>, ModelError> {
+    /// [`CausalLm::hidden`] of rows that pack several documents:
+    /// `positions` (`[batch, seq]`) holds each token's place in its
+    /// document, 0 where one starts. Each token attends only to its own
+    /// document and its RoPE angle is its place in it, so every document
+    /// gets the hidden states it would get alone in a row.
+    pub fn hidden_packed(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        positions: Tensor<B, 2, Int>,
+    ) -> Result<Tensor<B, 3>, ModelError> {
+        self.hidden_of(ids, Some(positions))
+    }
+
+    fn hidden_of(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        positions: Option<Tensor<B, 2, Int>>,
+    ) -> Result<Tensor<B, 3>, ModelError> {
+        self.check_shape(&ids, positions.as_ref())?;
+        self.check_token_ids(&ids).result()?;
+        self.decode(ids, positions)
+    }
+
+    /// [`CausalLm::hidden_of`] of ids already checked (or clamped).
+    fn decode(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        positions: Option<Tensor<B, 2, Int>>,
+    ) -> Result<Tensor<B, 3>, ModelError> {
         let [_, s] = ids.dims();
         let device = ids.device();
-        let tables = RopeTables::new(s, &self.rotary.inv_freq, self.rotary.scaling, &device);
+        let (inv_freq, scaling) = (&self.rotary.inv_freq, self.rotary.scaling);
+        let tables = match &positions {
+            Some(p) => RopeTables::for_positions(p.clone(), inv_freq, scaling),
+            None => RopeTables::new(s, inv_freq, scaling, &device),
+        };
         let mut x = self.model.embed_tokens.forward(ids);
         for layer in &self.model.layers {
-            let a = layer
-                .self_attn
-                .forward(layer.input_layernorm.try_forward(x.clone())?, &tables)?;
+            let a = layer.self_attn.forward(
+                layer.input_layernorm.try_forward(x.clone())?,
+                &tables,
+                positions.as_ref(),
+            )?;
             x = x + a;
             let m = layer
                 .mlp
@@ -274,7 +319,31 @@ impl<B: BastileBackend> CausalLm<B> {
         labels: Tensor<B, 2, Int>,
         options: CrossEntropyOptions,
     ) -> Result<CrossEntropyOutput<B>, ModelError> {
-        self.check_shape(&ids)?;
+        self.loss_of(ids, labels, None, options)
+    }
+
+    /// [`CausalLm::loss`] of rows that pack several documents (see
+    /// [`CausalLm::hidden_packed`]): the loss of each document alone, its
+    /// last token not trained to predict the next document's first
+    /// ([`packed_labels`]).
+    pub fn loss_packed(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        labels: Tensor<B, 2, Int>,
+        positions: Tensor<B, 2, Int>,
+        options: CrossEntropyOptions,
+    ) -> Result<CrossEntropyOutput<B>, ModelError> {
+        self.loss_of(ids, labels, Some(positions), options)
+    }
+
+    fn loss_of(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        labels: Tensor<B, 2, Int>,
+        positions: Option<Tensor<B, 2, Int>>,
+        options: CrossEntropyOptions,
+    ) -> Result<CrossEntropyOutput<B>, ModelError> {
+        self.check_shape(&ids, positions.as_ref())?;
         let [b, s] = ids.dims();
         let [lb, ls] = labels.dims();
         if (lb, ls) != (b, s) {
@@ -296,6 +365,10 @@ impl<B: BastileBackend> CausalLm<B> {
             self.check_token_ids(&ids).result()?;
             ids
         };
+        let labels = match &positions {
+            Some(p) => packed_labels(labels, p.clone(), options.ignore_index),
+            None => labels,
+        };
         let shifted = Tensor::cat(
             vec![
                 labels.clone().narrow(1, 1, s - 1),
@@ -303,7 +376,7 @@ impl<B: BastileBackend> CausalLm<B> {
             ],
             1,
         );
-        let x = self.decode(ids)?;
+        let x = self.decode(ids, positions)?;
         let h = self.config.hidden_size;
         Ok(linear_cross_entropy(
             x.reshape([b * s, h]),
@@ -313,6 +386,18 @@ impl<B: BastileBackend> CausalLm<B> {
             options,
         )?)
     }
+}
+
+/// `labels` (`[batch, seq]`, unshifted) of rows packing several
+/// documents, with `ignore_index` where a document starts (`positions`
+/// 0): the shifted loss then never trains a document's last token to
+/// predict the next document's first.
+pub fn packed_labels<B: Backend>(
+    labels: Tensor<B, 2, Int>,
+    positions: Tensor<B, 2, Int>,
+    ignore_index: i64,
+) -> Tensor<B, 2, Int> {
+    labels.mask_fill(positions.equal_elem(0), ignore_index)
 }
 
 /// Casts every float parameter, keeping its id and whether it trains.

@@ -10,7 +10,7 @@
 //! stopped run resumes where it was.
 
 use bastile::optim::{AdamW as FusedAdamW, AdamWConfig as FusedAdamWConfig, MomentDtype};
-use bastile::{BastileBackend, CrossEntropyOptions, LabelCheck, Reduction};
+use bastile::{BastileBackend, CrossEntropyOptions, CrossEntropyOutput, LabelCheck, Reduction};
 use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
@@ -22,7 +22,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crate::clip::clip_grad_norm;
-use crate::model::IdCheck;
+use crate::model::{IdCheck, packed_labels};
 use crate::{CausalLm, ModelError};
 
 /// Optimizer and schedule settings (HF `TrainingArguments` names where
@@ -125,10 +125,28 @@ impl TrainConfig {
     }
 }
 
-/// One micro-batch: token ids and (unshifted) labels, `[batch, seq]`.
+/// One micro-batch: token ids and (unshifted) labels, `[batch, seq]`,
+/// and for rows that pack several documents each token's place in its
+/// document (see [`CausalLm::loss_packed`]).
 pub struct MicroBatch<B: AutodiffBackend> {
     pub ids: Tensor<B, 2, Int>,
     pub labels: Tensor<B, 2, Int>,
+    pub positions: Option<Tensor<B, 2, Int>>,
+}
+
+/// The loss of one micro-batch's tensors on `X` (the training backend or
+/// its inner one): packed or not.
+fn micro_batch_loss<X: BastileBackend>(
+    model: &CausalLm<X>,
+    ids: Tensor<X, 2, Int>,
+    labels: Tensor<X, 2, Int>,
+    positions: Option<Tensor<X, 2, Int>>,
+    options: CrossEntropyOptions,
+) -> Result<CrossEntropyOutput<X>, ModelError> {
+    match positions {
+        Some(p) => model.loss_packed(ids, labels, p, options),
+        None => model.loss(ids, labels, options),
+    }
 }
 
 /// What an optimizer step did.
@@ -207,7 +225,13 @@ where
         let mut sums = Vec::with_capacity(batches.len());
         let mut counts = Vec::with_capacity(batches.len());
         for m in batches {
-            let out = model.loss(m.ids.clone().inner(), m.labels.clone().inner(), options)?;
+            let out = micro_batch_loss(
+                &model,
+                m.ids.clone().inner(),
+                m.labels.clone().inner(),
+                m.positions.clone().map(|p| p.inner()),
+                options,
+            )?;
             sums.push(out.loss);
             counts.push(out.tokens);
         }
@@ -398,7 +422,11 @@ where
         for m in micro_batches {
             let [_, s] = m.labels.dims();
             if s >= 2 {
-                let counted = m.labels.clone().narrow(1, 1, s - 1).not_equal_elem(ignore);
+                let labels = match &m.positions {
+                    Some(p) => packed_labels(m.labels.clone(), p.clone(), ignore),
+                    None => m.labels.clone(),
+                };
+                let counted = labels.narrow(1, 1, s - 1).not_equal_elem(ignore);
                 let count = counted.int().sum();
                 total = Some(match total {
                     Some(t) => t + count,
@@ -418,7 +446,13 @@ where
         let mut id_checks = Vec::with_capacity(micro_batches.len());
         for m in micro_batches {
             id_checks.push(model.check_token_ids(&m.ids));
-            let out = model.loss(m.ids.clone(), m.labels.clone(), options)?;
+            let out = micro_batch_loss(
+                model,
+                m.ids.clone(),
+                m.labels.clone(),
+                m.positions.clone(),
+                options,
+            )?;
             let loss = out.loss / divisor.clone();
             losses.push(loss.clone().detach());
             checks.push(out.label_check.expect("a deferred label check"));

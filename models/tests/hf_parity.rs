@@ -305,6 +305,7 @@ fn evaluation_loss_matches_hf_transformers() {
     let batch = |range: std::ops::Range<usize>| MicroBatch {
         ids: rows("input_ids", range.clone()),
         labels: rows("labels", range),
+        positions: None,
     };
     let whole = Trainer::<B>::evaluate(&model, &[batch(0..2)]).unwrap();
     let split = Trainer::<B>::evaluate(&model, &[batch(0..1), batch(1..2)]).unwrap();

@@ -3,4 +3,5 @@
 
 mod hf_parity;
 mod loading;
+mod packing;
 mod training;

@@ -66,6 +66,7 @@ where
         MicroBatch {
             ids: Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [2, 12]), &device),
             labels: Tensor::<B, 2, Int>::from_data(TensorData::new(labels, [2, 12]), &device),
+            positions: None,
         }
     };
     let data = [batch(1), batch(2)];
@@ -122,6 +123,7 @@ fn a_failed_step_is_an_error_and_changes_nothing() {
             &device,
         ),
         labels: Tensor::<B, 2, Int>::from_data(TensorData::new(labels.to_vec(), [1, 6]), &device),
+        positions: None,
     };
     let good = || [batch([-100, 1, 4, 1, 5, 9])];
     let bad_label = [
@@ -172,12 +174,14 @@ fn a_failed_step_is_an_error_and_changes_nothing() {
         MicroBatch {
             ids: ids(vec![3, 1, 4, 1, vocab + 2, 9]),
             labels: batch([-100, 1, 4, 1, 5, 9]).labels,
+            positions: None,
         },
     ];
     let no_tokens = [batch([7, -100, -100, -100, -100, -100])];
     let short = [MicroBatch {
         ids: ids(vec![3]),
         labels: ids(vec![3]),
+        positions: None,
     }];
     let mut model = model;
     for (case, expected) in [

@@ -28,6 +28,7 @@ pub(super) fn module_attention<B: KernelBackend>(
         scale: scale_or_default(options.scale, head_dim),
         causal: options.is_causal,
         window: None,
+        documents: false,
     };
     // Shapes, dtype, the patch switch and the size threshold are the fused
     // op's own plan; what Burn's call adds is checked here.
@@ -42,6 +43,7 @@ pub(super) fn module_attention<B: KernelBackend>(
         v: value,
         sinks: None,
         key_lengths: None,
+        doc_starts: None,
     };
     let (device, problem) = op.problem::<B>(&input);
     if plain && is_fused::<Bastile<B>, _>(&op, &device, &problem) {

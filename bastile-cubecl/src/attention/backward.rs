@@ -17,8 +17,8 @@ use cubecl::prelude::*;
 use crate::attention::{AttnDims, BackwardInputs};
 
 use super::tile::{
-    AttnTile, DK, DOUT, DQ, DV, K, OUT, Q, V, accumulate, allowed, head_rows, load_block,
-    owned_rows, row_scores,
+    AttnTile, DK, DOUT, DQ, DV, K, OUT, Q, V, accumulate, allowed, first_key, head_rows,
+    load_block, owned_rows, query_end, row_scores, seen_by,
 };
 use crate::reduce::lane_sum;
 
@@ -127,11 +127,12 @@ pub(crate) fn attention_dkdv_kernel<F: Float>(
     // Cubes are `upr × rows` units: one row of the tile per Y.
     let row = UNIT_POS_Y as usize;
     let lane = UNIT_POS_X as usize;
-    let own = owned_rows(&dims, &inputs.key_lengths, false, t);
+    let own = owned_rows(&dims, &inputs.key_lengths, &inputs.doc_starts, false, t);
     if own.b < dims.batch {
         let b = own.b;
         let hk = own.head;
         let key = own.first + row;
+        let key_end = query_end(&inputs.doc_starts, b, key, dims.seq_k, dims.window, t);
         let mut smem_k = SharedMemory::<F>::new(comptime![t.rows as usize * t.pitch as usize]);
         let mut smem_v = SharedMemory::<F>::new(comptime![t.rows as usize * t.pitch as usize]);
         let mut smem_q = SharedMemory::<F>::new(comptime![t.cols as usize * t.pitch as usize]);
@@ -194,7 +195,7 @@ pub(crate) fn attention_dkdv_kernel<F: Float>(
                     let c = lane + j * upr;
                     let qi = q0 + c;
                     let qpos = qi + own.offset;
-                    let ok = qi < dims.seq_q && allowed(qpos, key, own.klen, dims.window, t);
+                    let ok = qi < dims.seq_q && seen_by(qpos, key, key_end, own.klen, t);
                     let mut p = 0.0f32;
                     let mut ds = 0.0f32;
                     if ok {
@@ -239,7 +240,7 @@ pub(crate) fn attention_dq_kernel<F: Float>(
     // Cubes are `upr × rows` units: one row of the tile per Y.
     let row = UNIT_POS_Y as usize;
     let lane = UNIT_POS_X as usize;
-    let own = owned_rows(&dims, &inputs.key_lengths, true, t);
+    let own = owned_rows(&dims, &inputs.key_lengths, &inputs.doc_starts, true, t);
     if own.b < dims.batch {
         let b = own.b;
         let h = own.head;
@@ -274,6 +275,8 @@ pub(crate) fn attention_dq_kernel<F: Float>(
         );
 
         let qi = own.first + row;
+        let qpos = qi + own.offset;
+        let lowest = first_key(&inputs.doc_starts, b, qpos, dims.seq_k, dims.window, t);
         let mut row_lse = 0.0f32;
         let mut row_delta = 0.0f32;
         if qi < dims.seq_q {
@@ -297,8 +300,7 @@ pub(crate) fn attention_dq_kernel<F: Float>(
             #[unroll]
             for j in 0..sc {
                 let c = lane + j * upr;
-                let qpos = qi + own.offset;
-                let ok = qi < dims.seq_q && allowed(qpos, k0 + c, own.klen, dims.window, t);
+                let ok = qi < dims.seq_q && allowed(qpos, k0 + c, lowest, own.klen, t);
                 let mut ds = 0.0f32;
                 if ok {
                     ds = f32::exp(s[j] * dims.scale - row_lse) * (dp[j] - row_delta);

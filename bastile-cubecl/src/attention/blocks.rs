@@ -13,13 +13,14 @@
 //! A block holds query rows `[q0, q0 + rows)` of every batch entry and head
 //! and the keys `[k_lo, k_lo + keys)` any of them can see; the matrices are
 //! dense `[batch, heads, rows, keys]`. These kernels apply the masks
-//! (key lengths, causal, sliding window) and the sinks exactly as the tiled
-//! kernels do: one cube per score row, `units` units striding over it.
+//! (key lengths, causal, sliding window, documents) and the sinks exactly
+//! as the tiled kernels do: one cube per score row, `units` units striding
+//! over it.
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
-use super::tile::{AttnTile, MASKED, MASKED_BELOW, allowed, key_count};
+use super::tile::{AttnTile, MASKED, MASKED_BELOW, allowed, first_key, key_count};
 use super::{AttentionProblem, flat_arg};
 use crate::reduce::{RowReduce, cube_row_sum, row_max, row_sum};
 use crate::{KernelError, launch};
@@ -41,7 +42,9 @@ impl QueryBlock {
     /// Splits the queries of `problem` into blocks of at most `rows` rows,
     /// each with the smallest key range its masks allow (causal blocks see
     /// only the keys up to their last row, windowed ones only those within
-    /// the window of their first row). Never an empty key range: a block
+    /// the window of their first row; documents lie in device memory, so
+    /// their bounds narrow nothing here and the row kernels mask the keys
+    /// of other documents). Never an empty key range: a block
     /// whose rows see no key keeps one, masked, so the products stay
     /// well-formed.
     pub fn split(problem: &AttentionProblem, rows: usize) -> Vec<QueryBlock> {
@@ -90,6 +93,7 @@ pub struct BlockSoftmaxBuffers {
     pub lse: Handle,
     pub sinks: Option<Handle>,
     pub key_lengths: Option<Handle>,
+    pub doc_starts: Option<Handle>,
 }
 
 /// The buffers of the backward row kernel.
@@ -103,6 +107,7 @@ pub struct BlockGradBuffers {
     pub lse: Handle,
     pub delta: Handle,
     pub key_lengths: Option<Handle>,
+    pub doc_starts: Option<Handle>,
     /// Input dtype, `[batch, heads, rows, keys]`: `P` and `dS` (the score
     /// gradient, the softmax scale included).
     pub probs: Handle,
@@ -153,16 +158,18 @@ impl QueryBlock {
     }
 }
 
-/// Where a score row of the block sits: its flat row, its row in the
-/// `[batch, heads, seq_q]` statistics, its query position in the keys'
-/// frame, and the number of real keys of its batch entry.
+/// Where a score row of the block sits: its row in the `[batch, heads,
+/// seq_q]` statistics, its query position in the keys' frame, the first
+/// key it sees (window, document) and the number of real keys of its
+/// batch entry.
 #[cube]
 fn row_place(
     row: usize,
     key_lengths: &Tensor<i32>,
+    doc_starts: &Tensor<i32>,
     dims: &BlockDims,
     #[comptime] t: AttnTile,
-) -> (usize, usize, usize) {
+) -> (usize, usize, usize, usize) {
     let (rows, heads, seq_q, seq_k) = (dims.rows, dims.heads, dims.seq_q, dims.seq_k);
     let i = row % rows;
     let h = row / rows % heads;
@@ -172,7 +179,8 @@ fn row_place(
     // seq_k >= seq_q; otherwise it must merely not underflow.
     let qpos = dims.q0 + i + seq_k - select(seq_k >= seq_q, seq_q, seq_k);
     let klen = key_count(key_lengths, b, seq_k, t);
-    (stat, qpos, klen)
+    let lowest = first_key(doc_starts, b, qpos, seq_k, dims.window, t);
+    (stat, qpos, lowest, klen)
 }
 
 #[cube(launch_unchecked)]
@@ -183,6 +191,7 @@ fn block_softmax_kernel<F: Float>(
     lse: &mut Tensor<f32>,
     sinks: &Tensor<f32>,
     key_lengths: &Tensor<i32>,
+    doc_starts: &Tensor<i32>,
     dims: BlockDims,
     #[comptime] t: AttnTile,
     #[comptime] cfg: BlockRows,
@@ -191,8 +200,8 @@ fn block_softmax_kernel<F: Float>(
     let row = CUBE_POS;
     let valid = row < dims.total_rows;
     let safe_row = select(valid, row, 0usize);
-    let (stat, qpos, klen) = row_place(safe_row, key_lengths, &dims, t);
-    let (keys, k_lo, window, scale) = (dims.keys, dims.k_lo, dims.window, dims.scale);
+    let (stat, qpos, lowest, klen) = row_place(safe_row, key_lengths, doc_starts, &dims, t);
+    let (keys, k_lo, scale) = (dims.keys, dims.k_lo, dims.scale);
     let base = safe_row * keys;
     let units = cfg.units as usize;
     let mut scratch = SharedMemory::<f32>::new(cfg.slots as usize);
@@ -202,7 +211,7 @@ fn block_softmax_kernel<F: Float>(
     let mut l = 0.0f32;
     let mut j = UNIT_POS_X as usize;
     while valid && j < keys {
-        if allowed(qpos, k_lo + j, klen, window, t) {
+        if allowed(qpos, k_lo + j, lowest, klen, t) {
             let s = scores[base + j] * scale;
             let m_new = f32::max(m, s);
             l = l * f32::exp(m - m_new) + f32::exp(s - m_new);
@@ -234,7 +243,7 @@ fn block_softmax_kernel<F: Float>(
     let mut j = UNIT_POS_X as usize;
     while valid && j < keys {
         let mut p = 0.0f32;
-        if allowed(qpos, k_lo + j, klen, window, t) && row_lse > MASKED_BELOW {
+        if allowed(qpos, k_lo + j, lowest, klen, t) && row_lse > MASKED_BELOW {
             p = f32::exp(scores[base + j] * scale - row_lse);
         }
         probs[base + j] = F::cast_from(p);
@@ -250,6 +259,7 @@ fn block_grad_kernel<F: Float>(
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     key_lengths: &Tensor<i32>,
+    doc_starts: &Tensor<i32>,
     probs: &mut Tensor<F>,
     dscores: &mut Tensor<F>,
     dims: BlockDims,
@@ -259,15 +269,15 @@ fn block_grad_kernel<F: Float>(
 ) {
     let row = CUBE_POS;
     if row < dims.total_rows {
-        let (stat, qpos, klen) = row_place(row, key_lengths, &dims, t);
-        let (keys, k_lo, window, scale) = (dims.keys, dims.k_lo, dims.window, dims.scale);
+        let (stat, qpos, lowest, klen) = row_place(row, key_lengths, doc_starts, &dims, t);
+        let (keys, k_lo, scale) = (dims.keys, dims.k_lo, dims.scale);
         let row_lse = lse[stat];
         let row_delta = delta[stat];
         let base = row * keys;
         let mut j = UNIT_POS_X as usize;
         while j < keys {
             let mut p = 0.0f32;
-            if allowed(qpos, k_lo + j, klen, window, t) && row_lse > MASKED_BELOW {
+            if allowed(qpos, k_lo + j, lowest, klen, t) && row_lse > MASKED_BELOW {
                 p = f32::exp(scores[base + j] * scale - row_lse);
             }
             probs[base + j] = F::cast_from(p);
@@ -304,6 +314,7 @@ fn mask_tile(problem: &AttentionProblem, units: u32) -> AttnTile {
         window: problem.window.is_some(),
         sinks: problem.sinks,
         key_lengths: problem.key_lengths,
+        documents: problem.documents,
     }
 }
 
@@ -316,6 +327,12 @@ pub fn block_softmax<R: Runtime>(
     buffers: &BlockSoftmaxBuffers,
 ) -> Result<(), KernelError> {
     problem.validate()?;
+    let b = buffers;
+    problem.check_masks(
+        b.sinks.as_ref(),
+        b.key_lengths.as_ref(),
+        b.doc_starts.as_ref(),
+    )?;
     let cfg = layout(client)?;
     let p = problem;
     let total = block.score_rows(p);
@@ -323,6 +340,7 @@ pub fn block_softmax<R: Runtime>(
     let dummy = || client.empty(4);
     let sinks = buffers.sinks.clone().unwrap_or_else(dummy);
     let lengths = buffers.key_lengths.clone().unwrap_or_else(dummy);
+    let starts = buffers.doc_starts.clone().unwrap_or_else(dummy);
     unsafe {
         block_softmax_kernel::launch_unchecked::<R>(
             client,
@@ -333,6 +351,7 @@ pub fn block_softmax<R: Runtime>(
             flat_arg(&buffers.lse, p.query_rows()),
             flat_arg(&sinks, if p.sinks { p.heads } else { 1 }),
             flat_arg(&lengths, if p.key_lengths { p.batch } else { 1 }),
+            p.doc_starts_arg(&starts),
             block.dims_arg::<R>(p),
             mask_tile(p, cfg.units),
             cfg,
@@ -351,14 +370,20 @@ pub fn block_grad<R: Runtime>(
     buffers: &BlockGradBuffers,
 ) -> Result<(), KernelError> {
     problem.validate()?;
+    let b = buffers;
+    // This kernel reads no sinks.
+    let masks = AttentionProblem {
+        sinks: false,
+        ..*problem
+    };
+    masks.check_masks(None, b.key_lengths.as_ref(), b.doc_starts.as_ref())?;
     let cfg = layout(client)?;
     let p = problem;
     let total = block.score_rows(p);
     let elements = total * block.keys;
-    let lengths = buffers
-        .key_lengths
-        .clone()
-        .unwrap_or_else(|| client.empty(4));
+    let dummy = || client.empty(4);
+    let lengths = buffers.key_lengths.clone().unwrap_or_else(dummy);
+    let starts = buffers.doc_starts.clone().unwrap_or_else(dummy);
     unsafe {
         block_grad_kernel::launch_unchecked::<R>(
             client,
@@ -369,6 +394,7 @@ pub fn block_grad<R: Runtime>(
             flat_arg(&buffers.lse, p.query_rows()),
             flat_arg(&buffers.delta, p.query_rows()),
             flat_arg(&lengths, if p.key_lengths { p.batch } else { 1 }),
+            p.doc_starts_arg(&starts),
             flat_arg(&buffers.probs, elements),
             flat_arg(&buffers.dscores, elements),
             block.dims_arg::<R>(p),
@@ -403,6 +429,7 @@ mod tests {
             window,
             sinks: false,
             key_lengths: false,
+            documents: false,
             dtype: FloatDtype::F32,
         }
     }

@@ -9,8 +9,8 @@ use crate::attention::{AttnDims, ForwardInputs};
 use crate::reduce::{RowReduce, row_max, row_sum, row_sum_scratch};
 
 use super::tile::{
-    AttnTile, K, MASKED, MASKED_BELOW, OUT, Q, V, accumulate, allowed, head_rows, load_block,
-    owned_rows, row_scores,
+    AttnTile, K, MASKED, MASKED_BELOW, OUT, Q, V, accumulate, allowed, first_key, head_rows,
+    load_block, owned_rows, row_scores,
 };
 
 #[cube(launch_unchecked)]
@@ -29,7 +29,7 @@ pub(crate) fn attention_forward_kernel<F: Float>(
     // Cubes are `upr × rows` units: one row of the tile per Y.
     let row = UNIT_POS_Y as usize;
     let lane = UNIT_POS_X as usize;
-    let own = owned_rows(&dims, &inputs.key_lengths, true, t);
+    let own = owned_rows(&dims, &inputs.key_lengths, &inputs.doc_starts, true, t);
     if own.b < dims.batch {
         let b = own.b;
         let h = own.head;
@@ -59,6 +59,7 @@ pub(crate) fn attention_forward_kernel<F: Float>(
 
         let qi = own.first + row;
         let qpos = qi + own.offset;
+        let lowest = first_key(&inputs.doc_starts, b, qpos, dims.seq_k, dims.window, t);
         // A sink is one more logit in the softmax with no value: start the
         // running max and sum from it.
         let mut m = comptime![MASKED].runtime();
@@ -83,7 +84,7 @@ pub(crate) fn attention_forward_kernel<F: Float>(
             #[unroll]
             for j in 0..sc {
                 let key = k0 + lane + j * upr;
-                let ok = qi < dims.seq_q && allowed(qpos, key, own.klen, dims.window, t);
+                let ok = qi < dims.seq_q && allowed(qpos, key, lowest, own.klen, t);
                 s[j] = select(ok, s[j] * dims.scale, MASKED);
                 block_max = f32::max(block_max, s[j]);
             }

@@ -12,7 +12,9 @@
 //! Key `j` is allowed for query `i` when `j < key_length[b]`, and, with the
 //! query at key position `pᵢ = i + seq_k − seq_q` (bottom-right aligned, as
 //! Burn's causal mask), `j ≤ pᵢ` when causal and `pᵢ − j < window` with a
-//! sliding window. A row that sees no key and has no sink outputs zeros.
+//! sliding window; with documents, also `j ≥ doc_start[b, pᵢ]` (rows that
+//! pack several documents: each query sees only its own document). A row
+//! that sees no key and has no sink outputs zeros.
 //!
 //! The forward saves only `o` and `lse` (f32); the backward recomputes the
 //! scores block by block, so no `[seq, seq]` buffer ever exists. Scores,
@@ -60,6 +62,11 @@ pub struct AttentionProblem {
     /// Per batch entry, how many keys are real (`key_lengths`, i32
     /// `[batch]`); the rest are padding.
     pub key_lengths: bool,
+    /// Rows hold several documents (`doc_starts`, i32 `[batch, seq_k]`:
+    /// where the document of each key position starts, never decreasing
+    /// along a row and at most the position): a query sees only the keys
+    /// of its own document. Needs the causal mask.
+    pub documents: bool,
     pub dtype: FloatDtype,
 }
 
@@ -90,6 +97,12 @@ impl AttentionProblem {
                 self.seq_k, self.seq_q
             )));
         }
+        if self.documents && !self.causal {
+            return Err(KernelError::Shape(
+                "documents in a row need the causal mask (a query's document ends at the query)"
+                    .into(),
+            ));
+        }
         if self.window == Some(0) {
             return Err(KernelError::Shape(
                 "a sliding window must hold at least one position".into(),
@@ -106,6 +119,43 @@ impl AttentionProblem {
 
     fn group(&self) -> usize {
         self.heads / self.kv_heads
+    }
+
+    /// The optional inputs the problem names are there and hold what the
+    /// kernels read: sinks f32 `[heads]`, key lengths i32 `[batch]`,
+    /// document starts i32 `[batch, seq_k]`.
+    fn check_masks(
+        &self,
+        sinks: Option<&Handle>,
+        key_lengths: Option<&Handle>,
+        doc_starts: Option<&Handle>,
+    ) -> Result<(), KernelError> {
+        for (what, named, handle, elements) in [
+            ("sinks", self.sinks, sinks, self.heads),
+            ("key lengths", self.key_lengths, key_lengths, self.batch),
+            (
+                "document starts",
+                self.documents,
+                doc_starts,
+                self.batch * self.seq_k,
+            ),
+        ] {
+            match handle {
+                None if named => {
+                    return Err(KernelError::Shape(format!(
+                        "the attention problem has {what} but no buffer holds them"
+                    )));
+                }
+                Some(h) if named && h.size_in_used() < 4 * elements as u64 => {
+                    return Err(KernelError::Shape(format!(
+                        "the attention {what} need {elements} 4-byte values, the buffer holds {} bytes",
+                        h.size_in_used()
+                    )));
+                }
+                _ => {}
+            }
+        }
+        Ok(())
     }
 
     /// Query rows over all batch entries and heads (`lse`, `delta` length).
@@ -153,9 +203,10 @@ pub(crate) struct AttnDims {
 
 /// What the forward kernels read: queries, keys and values (elements `E`:
 /// the dtype, or 16-byte vectors of it on the tensor cores), the sinks
-/// (f32 `[heads]`) and key lengths (i32 `[batch]`), each a placeholder
-/// when the problem has none, and the (batch, head, row) strides of q, k,
-/// v and out in units of `E` (see [`tile::Q`] and the rest).
+/// (f32 `[heads]`), key lengths (i32 `[batch]`) and document starts (i32
+/// `[batch, seq_k]`), each a placeholder when the problem has none, and
+/// the (batch, head, row) strides of q, k, v and out in units of `E` (see
+/// [`tile::Q`] and the rest).
 #[derive(CubeType, CubeLaunch)]
 pub(crate) struct ForwardInputs<E: CubePrimitive> {
     pub q: Tensor<E>,
@@ -163,14 +214,15 @@ pub(crate) struct ForwardInputs<E: CubePrimitive> {
     pub v: Tensor<E>,
     pub sinks: Tensor<f32>,
     pub key_lengths: Tensor<i32>,
+    pub doc_starts: Tensor<i32>,
     pub strides: Sequence<usize>,
 }
 
 /// What the backward's dK/dV and dQ kernels read: the forward's inputs,
 /// the output gradient, the forward's per-row `lse` and the Δ kernel's
 /// per-row `delta` (statistics `S`: f32, or one-element vectors where a
-/// kernel copies them asynchronously), the key lengths, and the strides of
-/// all eight tensors in units of `E`.
+/// kernel copies them asynchronously), the key lengths, the document
+/// starts, and the strides of all eight tensors in units of `E`.
 #[derive(CubeType, CubeLaunch)]
 pub(crate) struct BackwardInputs<E: CubePrimitive, S: CubePrimitive> {
     pub q: Tensor<E>,
@@ -180,6 +232,7 @@ pub(crate) struct BackwardInputs<E: CubePrimitive, S: CubePrimitive> {
     pub lse: Tensor<S>,
     pub delta: Tensor<S>,
     pub key_lengths: Tensor<i32>,
+    pub doc_starts: Tensor<i32>,
     pub strides: Sequence<usize>,
 }
 
@@ -235,6 +288,7 @@ pub struct AttentionForwardBuffers {
     pub lse: Handle,
     pub sinks: Option<Handle>,
     pub key_lengths: Option<Handle>,
+    pub doc_starts: Option<Handle>,
 }
 
 /// The backward's buffers: the forward's inputs and results, the output
@@ -252,6 +306,7 @@ pub struct AttentionBackwardBuffers {
     pub lse: Handle,
     pub sinks: Option<Handle>,
     pub key_lengths: Option<Handle>,
+    pub doc_starts: Option<Handle>,
     pub dq: HeadLayout,
     pub dk: HeadLayout,
     pub dv: HeadLayout,
@@ -284,6 +339,7 @@ impl AttnLaunch {
             window: problem.window.is_some(),
             sinks: problem.sinks,
             key_lengths: problem.key_lengths,
+            documents: problem.documents,
         }
     }
 
@@ -357,6 +413,19 @@ impl AttentionProblem {
         layout.arg(self.batch, self.heads, self.seq_q, self.head_dim)
     }
 
+    /// The document starts (`[batch, seq_k]`, a placeholder without
+    /// documents) as a kernel argument.
+    fn doc_starts_arg<R: Runtime>(&self, starts: &Handle) -> TensorArg<R> {
+        flat_arg(
+            starts,
+            if self.documents {
+                self.batch * self.seq_k
+            } else {
+                1
+            },
+        )
+    }
+
     /// A key-side tensor (`[batch, kv_heads, seq_k, head_dim]`) as a kernel
     /// argument.
     fn key_arg<R: Runtime>(&self, layout: &HeadLayout) -> TensorArg<R> {
@@ -365,6 +434,15 @@ impl AttentionProblem {
 }
 
 impl AttentionForwardBuffers {
+    /// The problem's sinks, key lengths and document starts are here.
+    fn check_masks(&self, p: &AttentionProblem) -> Result<(), KernelError> {
+        p.check_masks(
+            self.sinks.as_ref(),
+            self.key_lengths.as_ref(),
+            self.doc_starts.as_ref(),
+        )
+    }
+
     /// q, k, v, out: the order the kernels read their strides in
     /// ([`tile::Q`] ..).
     fn layouts(&self) -> [&HeadLayout; 4] {
@@ -380,18 +458,29 @@ impl AttentionForwardBuffers {
     ) -> ForwardInputsLaunch<E, R> {
         let sinks = self.sinks.clone().unwrap_or_else(|| dummy(client));
         let lengths = self.key_lengths.clone().unwrap_or_else(|| dummy(client));
+        let starts = self.doc_starts.clone().unwrap_or_else(|| dummy(client));
         ForwardInputsLaunch::new(
             p.query_arg(&self.q),
             p.key_arg(&self.k),
             p.key_arg(&self.v),
             flat_arg(&sinks, p.heads),
             flat_arg(&lengths, p.batch),
+            p.doc_starts_arg(&starts),
             seq_strides(&self.layouts(), unit),
         )
     }
 }
 
 impl AttentionBackwardBuffers {
+    /// The problem's sinks, key lengths and document starts are here.
+    fn check_masks(&self, p: &AttentionProblem) -> Result<(), KernelError> {
+        p.check_masks(
+            self.sinks.as_ref(),
+            self.key_lengths.as_ref(),
+            self.doc_starts.as_ref(),
+        )
+    }
+
     /// q, k, v, out, dout, dq, dk, dv: the order the kernels read their
     /// strides in ([`tile::Q`] ..).
     fn layouts(&self) -> [&HeadLayout; 8] {
@@ -409,6 +498,7 @@ impl AttentionBackwardBuffers {
         unit: usize,
     ) -> BackwardInputsLaunch<E, S, R> {
         let lengths = self.key_lengths.clone().unwrap_or_else(|| dummy(client));
+        let starts = self.doc_starts.clone().unwrap_or_else(|| dummy(client));
         BackwardInputsLaunch::new(
             p.query_arg(&self.q),
             p.key_arg(&self.k),
@@ -417,6 +507,7 @@ impl AttentionBackwardBuffers {
             flat_arg(&self.lse, p.query_rows()),
             flat_arg(&self.delta, p.query_rows()),
             flat_arg(&lengths, p.batch),
+            p.doc_starts_arg(&starts),
             seq_strides(&self.layouts(), unit),
         )
     }
@@ -430,6 +521,7 @@ pub fn forward_with<R: Runtime>(
     config: &AttnLaunch,
 ) -> Result<(), KernelError> {
     problem.validate()?;
+    buffers.check_masks(problem)?;
     let t = config.check(client, problem, false)?;
     let p = problem;
     let q_blocks = p.seq_q.div_ceil(config.rows as usize);
@@ -459,6 +551,7 @@ pub fn backward_with<R: Runtime>(
     config: &AttnLaunch,
 ) -> Result<(), KernelError> {
     problem.validate()?;
+    buffers.check_masks(problem)?;
     let t = config.check(client, problem, true)?;
     let p = problem;
     let b = &buffers;
@@ -506,6 +599,13 @@ pub(crate) fn backward_delta_zeroing<R: Runtime>(
     zeroed: Option<&Handle>,
 ) -> Result<(), KernelError> {
     problem.validate()?;
+    // The delta kernel reads only the sinks.
+    let masks = AttentionProblem {
+        key_lengths: false,
+        documents: false,
+        ..*problem
+    };
+    masks.check_masks(buffers.sinks.as_ref(), None, None)?;
     // 64 rows per cube, two units per row: the tile's shape only sets the
     // cube's rows and size. Four planes per cube keep a full complement of
     // planes resident on GPUs that hold 32 cubes per multiprocessor.
@@ -623,6 +723,7 @@ pub struct AttnKey {
     pub dtype: FloatDtype,
     pub causal: bool,
     pub window: bool,
+    pub documents: bool,
     pub backward: bool,
 }
 
@@ -630,7 +731,7 @@ impl core::fmt::Display for AttnKey {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         write!(
             f,
-            "attention{} q~{} k~{} d={} {}{}{}",
+            "attention{} q~{} k~{} d={} {}{}{}{}",
             if self.backward { "_bwd" } else { "_fwd" },
             self.seq_q,
             self.seq_k,
@@ -638,6 +739,7 @@ impl core::fmt::Display for AttnKey {
             self.dtype,
             if self.causal { " causal" } else { "" },
             if self.window { " window" } else { "" },
+            if self.documents { " documents" } else { "" },
         )
     }
 }
@@ -650,6 +752,7 @@ fn key(problem: &AttentionProblem, backward: bool) -> AttnKey {
         dtype: problem.dtype,
         causal: problem.causal,
         window: problem.window.is_some(),
+        documents: problem.documents,
         backward,
     }
 }
@@ -686,6 +789,7 @@ pub fn forward<R: Runtime>(
     buffers: &AttentionForwardBuffers,
 ) -> Result<(), KernelError> {
     problem.validate()?;
+    buffers.check_masks(problem)?;
     let (id, key, list) = tuned_candidates(client, device, problem, false);
     run_tuned(
         &FORWARD_TUNER,
@@ -707,6 +811,7 @@ pub fn backward<R: Runtime>(
     buffers: &AttentionBackwardBuffers,
 ) -> Result<(), KernelError> {
     problem.validate()?;
+    buffers.check_masks(problem)?;
     let (id, key, list) = tuned_candidates(client, device, problem, true);
     run_tuned(
         &BACKWARD_TUNER,

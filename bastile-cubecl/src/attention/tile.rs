@@ -33,6 +33,9 @@ pub struct AttnTile {
     pub window: bool,
     pub sinks: bool,
     pub key_lengths: bool,
+    /// Rows hold several documents (`doc_starts`): a query sees only the
+    /// keys of its own document.
+    pub documents: bool,
 }
 
 /// Where each tensor's (batch, head, row) strides sit in the kernels'
@@ -93,6 +96,11 @@ pub(crate) struct OwnedRows {
     /// bottom-right aligned as Burn's causal mask; the launcher checks
     /// `seq_k ≥ seq_q` when a mask uses it).
     pub offset: usize,
+    /// The window and document bound of the first and the last owned row:
+    /// for query rows the first key they see ([`first_key`]), for key rows
+    /// the end of the query positions that see them ([`query_end`]).
+    pub first_bound: usize,
+    pub last_bound: usize,
     /// The blocks `[block_first, block_end)` of the other side (of
     /// `t.cols` rows, in each head of the group for key rows) that some
     /// owned row sees.
@@ -105,6 +113,7 @@ pub(crate) struct OwnedRows {
 pub(crate) fn owned_rows(
     dims: &AttnDims,
     key_lengths: &Tensor<i32>,
+    doc_starts: &Tensor<i32>,
     #[comptime] queries: bool,
     #[comptime] t: AttnTile,
 ) -> OwnedRows {
@@ -123,31 +132,32 @@ pub(crate) fn owned_rows(
     // A cube past the grid reads batch entry 0's length, and nothing else.
     let entry = select(b < dims.batch, b, 0usize);
     let klen = key_count(key_lengths, entry, dims.seq_k, t);
+    let (seq_k, window) = (dims.seq_k, dims.window);
+    // Owned rows' positions in the keys' frame.
+    let frame = select(queries, offset, 0usize);
+    let first_bound = row_bound(doc_starts, entry, first + frame, seq_k, window, queries, t);
+    let last_bound = row_bound(doc_starts, entry, last + frame, seq_k, window, queries, t);
     // The positions `[start, end)` of the other side some owned row sees.
     let mut start = 0usize;
     let mut end = dims.seq_q;
     if comptime![queries] {
-        // Keys: none past the last query when causal, none a whole window
-        // behind the first query.
-        let q_first = first + offset;
-        let q_last = last + offset;
+        // Keys: none past the last query when causal, none before the
+        // first query's window or document (both bounds only grow along
+        // the rows).
+        start = first_bound;
         end = klen;
         if comptime![t.causal] {
-            end = select(q_last + 1 < end, q_last + 1, end);
-        }
-        if comptime![t.window] {
-            start = select(q_first + 1 > dims.window, q_first + 1 - dims.window, 0usize);
+            end = select(last + offset + 1 < end, last + offset + 1, end);
         }
     } else {
-        // Queries: none before the keys when causal, none a whole window
-        // past the last key.
+        // Queries: none before the keys when causal, none past the last
+        // key's window or document.
         if comptime![t.causal] {
             start = select(first > offset, first - offset, 0usize);
         }
-        if comptime![t.window] {
-            let last_pos = last + dims.window;
-            let window_end = select(last_pos > offset, last_pos - offset, 0usize);
-            end = select(window_end < end, window_end, end);
+        if comptime![t.window || t.documents] {
+            let bound_end = select(last_bound > offset, last_bound - offset, 0usize);
+            end = select(bound_end < end, bound_end, end);
         }
     }
     let cols = comptime![t.cols as usize];
@@ -160,28 +170,151 @@ pub(crate) fn owned_rows(
         last,
         klen,
         offset,
+        first_bound,
+        last_bound,
         block_first,
         block_end: select(block_end > block_first, block_end, block_first),
     }
 }
 
+/// The mask bound of the owned row at key position `pos`: the first key
+/// a query row sees, or the end of the queries that see a key row.
+#[cube]
+fn row_bound(
+    doc_starts: &Tensor<i32>,
+    b: usize,
+    pos: usize,
+    seq_k: usize,
+    window: usize,
+    #[comptime] queries: bool,
+    #[comptime] t: AttnTile,
+) -> usize {
+    if comptime![queries] {
+        first_key(doc_starts, b, pos, seq_k, window, t)
+    } else {
+        query_end(doc_starts, b, pos, seq_k, window, t)
+    }
+}
+
+/// The first key the query at key position `qpos` sees: the first of its
+/// sliding window and of its document (0 without either). Never decreases
+/// along the rows.
+#[cube]
+pub(crate) fn first_key(
+    doc_starts: &Tensor<i32>,
+    b: usize,
+    qpos: usize,
+    seq_k: usize,
+    window: usize,
+    #[comptime] t: AttnTile,
+) -> usize {
+    let mut first = 0usize;
+    if comptime![t.window] {
+        first = select(qpos + 1 > window, qpos + 1 - window, 0usize);
+    }
+    if comptime![t.documents] {
+        let start = document_start(doc_starts, b, qpos, seq_k);
+        first = select(start > first, start, first);
+    }
+    first
+}
+
+/// One past the last query position (in the keys' frame) that sees key
+/// `key` under the window and the document masks: the end of its window
+/// and of its document (`seq_k` without either). Never decreases along
+/// the keys. Only the causal mask bounds the queries from below.
+#[cube]
+pub(crate) fn query_end(
+    doc_starts: &Tensor<i32>,
+    b: usize,
+    key: usize,
+    seq_k: usize,
+    window: usize,
+    #[comptime] t: AttnTile,
+) -> usize {
+    let mut end = seq_k;
+    if comptime![t.window] {
+        end = select(key + window < end, key + window, end);
+    }
+    if comptime![t.documents] {
+        let doc_end = document_end(doc_starts, b, key, seq_k);
+        end = select(doc_end < end, doc_end, end);
+    }
+    end
+}
+
+/// Where the document of position `pos` of batch entry `b` starts:
+/// `doc_starts[b, pos]`, clamped into `[0, pos]` (positions past the
+/// sequence take the last one's).
+#[cube]
+fn document_start(doc_starts: &Tensor<i32>, b: usize, pos: usize, seq_k: usize) -> usize {
+    let at = select(pos < seq_k, pos, seq_k - 1);
+    let start = doc_starts[b * seq_k + at];
+    let start = select(start < 0, 0usize, usize::cast_from(start));
+    select(start > at, at, start)
+}
+
+/// One past the last position of `key`'s document: the first later
+/// position whose document starts after `key` (`seq_k` if none), found
+/// by bisection, since document starts never decrease along a row.
+#[cube]
+fn document_end(doc_starts: &Tensor<i32>, b: usize, key: usize, seq_k: usize) -> usize {
+    let mut lo = select(key < seq_k, key + 1, seq_k);
+    let mut hi = seq_k;
+    loop {
+        if lo >= hi {
+            break;
+        }
+        let mid = (lo + hi) / 2;
+        if document_start(doc_starts, b, mid, seq_k) > key {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    lo
+}
+
 /// Whether query position `qpos` (already shifted to the keys' frame) may
-/// attend key `key`: a real key (below the batch entry's `klen`), not in
-/// the future when causal, and fewer than `window` positions back.
+/// attend key `key`, from the query's side: a real key (below the batch
+/// entry's `klen`), not in the future when causal, and not before the
+/// query's [`first_key`].
 #[cube]
 pub(crate) fn allowed(
     qpos: usize,
     key: usize,
+    first_key: usize,
     klen: usize,
-    window: usize,
     #[comptime] t: AttnTile,
 ) -> bool {
+    visible(qpos, key, klen, key >= first_key, t)
+}
+
+/// [`allowed`] from the key's side: the query position lies before the
+/// key's [`query_end`]. The same test where the kernel owns keys and
+/// knows their bounds instead of the queries'.
+#[cube]
+pub(crate) fn seen_by(
+    qpos: usize,
+    key: usize,
+    query_end: usize,
+    klen: usize,
+    #[comptime] t: AttnTile,
+) -> bool {
+    visible(qpos, key, klen, qpos < query_end, t)
+}
+
+/// The mask: a real key, not in the query's future when causal, and
+/// `bounded` (the pair passes the window and document bounds) where the
+/// problem has either.
+#[cube]
+fn visible(qpos: usize, key: usize, klen: usize, bounded: bool, #[comptime] t: AttnTile) -> bool {
     let mut ok = key < klen;
     if comptime![t.causal] {
         ok = ok && key <= qpos;
     }
-    if comptime![t.window] {
-        ok = ok && key + window > qpos;
+    if comptime![t.window || t.documents] {
+        ok = ok && bounded;
     }
     ok
 }

@@ -15,6 +15,9 @@ pub struct AttentionSpec {
     pub window: Option<usize>,
     /// Real keys per batch entry (the rest are padding).
     pub key_lengths: Option<Vec<usize>>,
+    /// The document of every key position (`[batch, seq_k]`): a query
+    /// sees only the keys of its own position's document.
+    pub documents: Option<Vec<usize>>,
     /// One logit per query head.
     pub sinks: Option<Vec<f64>>,
 }
@@ -37,9 +40,15 @@ impl AttentionSpec {
             .map_or(self.seq_k, |l| l[b].min(self.seq_k));
         let pos = i as i64 + self.seq_k as i64 - self.seq_q as i64;
         let j = j as i64;
+        let document = |p: i64| {
+            self.documents
+                .as_ref()
+                .map(|d| d[b * self.seq_k + p.clamp(0, self.seq_k as i64 - 1) as usize])
+        };
         j < klen as i64
             && (!self.causal || j <= pos)
             && self.window.is_none_or(|w| pos - j < w as i64)
+            && document(j) == document(pos)
     }
 
     fn q_at(&self, b: usize, h: usize, i: usize) -> usize {

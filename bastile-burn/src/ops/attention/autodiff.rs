@@ -73,6 +73,7 @@ pub(super) fn forward<B: BastileBackend, C: CheckpointStrategy>(
         v: t.v.primitive.clone(),
         sinks: t.sinks.as_ref().map(|s| s.primitive.clone()),
         key_lengths: t.key_lengths,
+        doc_starts: t.doc_starts,
     };
     let (out, lse) = match &t.sinks {
         Some(s) => node::<B, C, 4>([&t.q, &t.k, &t.v, s], op, inner),

@@ -15,6 +15,7 @@ use crate::ops::float;
 fn hidden_keys<B: Backend>(
     dims: [usize; 3],
     key_lengths: Option<IntTensor<B>>,
+    doc_starts: Option<IntTensor<B>>,
     spec: &AttentionSpec,
     device: &B::Device,
 ) -> Option<Tensor<B, 4, Bool>> {
@@ -38,6 +39,7 @@ fn hidden_keys<B: Backend>(
     if let Some(lengths) = key_lengths {
         let lengths = Tensor::<B, 1, Int>::from_primitive(lengths).reshape([b, 1, 1, 1]);
         let pad = keys
+            .clone()
             .reshape([1, 1, 1, sk])
             .expand([b, 1, 1, sk])
             .greater_equal(lengths.expand([b, 1, 1, sk]))
@@ -45,6 +47,21 @@ fn hidden_keys<B: Backend>(
         mask4 = Some(match mask4 {
             Some(m) => m.bool_or(pad),
             None => pad,
+        });
+    }
+    if let Some(starts) = doc_starts {
+        // Keys before the query's document start (the causal mask hides
+        // those after its end).
+        let query_starts = Tensor::<B, 2, Int>::from_primitive(starts)
+            .narrow(1, offset as usize, sq)
+            .reshape([b, 1, sq, 1]);
+        let other = keys
+            .reshape([1, 1, 1, sk])
+            .expand([b, 1, sq, sk])
+            .lower(query_starts.expand([b, 1, sq, sk]));
+        mask4 = Some(match mask4 {
+            Some(m) => m.bool_or(other),
+            None => other,
         });
     }
     mask4
@@ -87,6 +104,7 @@ fn probs<B: Backend>(
     k: &Tensor<B, 4>,
     sinks: Option<FloatTensor<B>>,
     key_lengths: Option<IntTensor<B>>,
+    doc_starts: Option<IntTensor<B>>,
     spec: &AttentionSpec,
 ) -> Probs<B> {
     let [b, h, sq, _] = q.dims();
@@ -96,7 +114,7 @@ fn probs<B: Backend>(
     // attention.
     let k = repeat_heads(k.clone(), h);
     let mut scores = q.clone().matmul(k.swap_dims(2, 3)).cast(DType::F32) * spec.scale;
-    if let Some(mask) = hidden_keys::<B>([b, sq, sk], key_lengths, spec, &device) {
+    if let Some(mask) = hidden_keys::<B>([b, sq, sk], key_lengths, doc_starts, spec, &device) {
         scores = scores.mask_fill(mask.expand([b, h, sq, sk]), f32::NEG_INFINITY);
     }
     // Max over the keys and the sink; a row that sees nothing keeps a
@@ -142,11 +160,12 @@ pub fn composite_forward<B: Backend>(
         v,
         sinks,
         key_lengths,
+        doc_starts,
     } = t;
     let (q, k, v) = (float::<B, 4>(q), float::<B, 4>(k), float::<B, 4>(v));
     let dtype = q.dtype();
     let h = q.dims()[1];
-    let pr = probs(&q, &k, sinks, key_lengths, &spec);
+    let pr = probs(&q, &k, sinks, key_lengths, doc_starts, &spec);
     let out = pr.p.cast(dtype).matmul(repeat_heads(v, h));
     (
         out.into_primitive().tensor(),
@@ -168,12 +187,13 @@ pub fn composite_backward<B: Backend>(
         v,
         sinks,
         key_lengths,
+        doc_starts,
     } = t;
     let (q, k, v) = (float::<B, 4>(q), float::<B, 4>(k), float::<B, 4>(v));
     let (dtype, kv_heads) = (q.dtype(), k.dims()[1]);
     let sink_dtype = sinks.as_ref().map(|s| s.dtype());
     let h = q.dims()[1];
-    let pr = probs(&q, &k, sinks, key_lengths, &spec);
+    let pr = probs(&q, &k, sinks, key_lengths, doc_starts, &spec);
     let f = |t: Tensor<B, 4>| t.cast(DType::F32);
     let dout = f(float::<B, 4>(dout));
     let delta = (f(float::<B, 4>(out)) * dout.clone()).sum_dim(3);

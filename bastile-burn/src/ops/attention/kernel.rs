@@ -47,8 +47,8 @@ impl DeviceQuery for AttentionQuery {
     }
 }
 
-/// The forward launch: inputs `q, k, v, sinks?` and `key_lengths?`,
-/// outputs `out, lse`.
+/// The forward launch: inputs `q, k, v, sinks?` and `key_lengths?,
+/// doc_starts?`, outputs `out, lse`.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct ForwardLaunch {
     pub spec: AttentionSpec,
@@ -62,6 +62,7 @@ kernel!(
     |op, mut floats, mut ints| {
         let sinks = if op.has_sinks { floats.pop() } else { None };
         let [q, k, v] = unpack(floats);
+        let doc_starts = if op.spec.documents { ints.pop() } else { None };
         let key_lengths = ints.pop();
         let tensors = Forwarded {
             q,
@@ -69,6 +70,7 @@ kernel!(
             v,
             sinks,
             key_lengths,
+            doc_starts,
         };
         let (out, lse) = match op.plan {
             AttentionPlan::MatrixProducts { block_rows } => {
@@ -82,7 +84,7 @@ kernel!(
 );
 
 /// The backward launch: inputs `q, k, v, out, lse, dout, sinks?` and
-/// `key_lengths?`, outputs `dq, dk, dv` and, with sinks, the sink gradient
+/// `key_lengths?, doc_starts?`, outputs `dq, dk, dv` and, with sinks, the sink gradient
 /// per query row (f32 `[batch, heads, seq_q]`).
 #[derive(Clone, Copy, Debug)]
 pub(super) struct BackwardLaunch {
@@ -97,6 +99,7 @@ kernel!(
     |op, mut floats, mut ints| {
         let sinks = if op.has_sinks { floats.pop() } else { None };
         let [q, k, v, out, lse, dout] = unpack(floats);
+        let doc_starts = if op.spec.documents { ints.pop() } else { None };
         let key_lengths = ints.pop();
         let tensors = Forwarded {
             q,
@@ -104,6 +107,7 @@ kernel!(
             v,
             sinks,
             key_lengths,
+            doc_starts,
         };
         let (plan, spec) = (op.plan, op.spec);
         let g = match plan {
@@ -148,6 +152,7 @@ pub(super) fn problem(
         window: spec.window,
         sinks,
         key_lengths,
+        documents: spec.documents,
         dtype: kernel_dtype(dtype)?,
     })
 }
@@ -203,7 +208,8 @@ pub(super) fn sinks_f32<R: CubeRuntime>(s: CubeTensor<R>) -> CubeTensor<R> {
 
 /// The forward's tensors laid out for the tiled and tensor-core kernels:
 /// `q`, `k` and `v` with a unit-stride head dim, sinks as f32, key lengths
-/// as i32. The tensors stay alive until the launch is queued.
+/// and document starts as i32. The tensors stay alive until the launch
+/// is queued.
 struct LaidOut<R: CubeRuntime> {
     q: CubeTensor<R>,
     k: CubeTensor<R>,
@@ -211,6 +217,7 @@ struct LaidOut<R: CubeRuntime> {
     layouts: [HeadLayout; 3],
     sinks: Option<CubeTensor<R>>,
     key_lengths: Option<CubeTensor<R>>,
+    doc_starts: Option<CubeTensor<R>>,
 }
 
 impl<R: CubeRuntime> LaidOut<R> {
@@ -225,6 +232,7 @@ impl<R: CubeRuntime> LaidOut<R> {
             layouts: [q_l, k_l, v_l],
             sinks: t.sinks.map(sinks_f32),
             key_lengths: t.key_lengths.map(contiguous_i32),
+            doc_starts: t.doc_starts.map(contiguous_i32),
         }
     }
 
@@ -240,6 +248,10 @@ impl<R: CubeRuntime> LaidOut<R> {
 
     fn key_lengths_handle(&self) -> Option<Handle> {
         self.key_lengths.as_ref().map(|l| l.handle.clone())
+    }
+
+    fn doc_starts_handle(&self) -> Option<Handle> {
+        self.doc_starts.as_ref().map(|s| s.handle.clone())
     }
 }
 
@@ -278,6 +290,7 @@ fn forward<R: CubeRuntime>(
         lse: lse.handle.clone(),
         sinks: t.sinks_handle(),
         key_lengths: t.key_lengths_handle(),
+        doc_starts: t.doc_starts_handle(),
     };
     let (client, device) = (&t.q.client, &t.q.device);
     tensor_cores_or_tiled(
@@ -318,6 +331,7 @@ fn backward<R: CubeRuntime>(
         lse: lse.handle.clone(),
         sinks: t.sinks_handle(),
         key_lengths: t.key_lengths_handle(),
+        doc_starts: t.doc_starts_handle(),
         dq: dq_l,
         dk: dk_l,
         dv: dv_l,

@@ -10,7 +10,9 @@
 //! batch entry's `key_length`, keys after the query when causal, and keys
 //! `window` or more positions back with a sliding window; queries are
 //! bottom-right aligned with the keys (query `i` sits at key position
-//! `i + seq_k − seq_q`), as Burn's causal attention. With sinks, the softmax
+//! `i + seq_k − seq_q`), as Burn's causal attention; rows that pack several
+//! documents (given by each position's place in its document) also hide
+//! the keys of every other document. With sinks, the softmax
 //! has one more logit per head (`sinks[h]`) that carries no value (GPT-OSS).
 //! A row that sees no key and has no sink outputs zeros. Scores and
 //! softmax are f32; the output has the input dtype.
@@ -60,6 +62,8 @@ pub struct AttentionSpec {
     pub scale: f64,
     pub causal: bool,
     pub window: Option<usize>,
+    /// Rows pack documents (the tensors carry `doc_starts`).
+    pub documents: bool,
 }
 
 /// The scale a call uses: the given one, or `1/√head_dim`.
@@ -90,6 +94,9 @@ pub struct AttentionTensors<F, I> {
     pub sinks: Option<F>,
     /// `[batch]`
     pub key_lengths: Option<I>,
+    /// `[batch, seq_k]`: where each key position's document starts (never
+    /// decreasing along a row, at most the position; [`document_starts`]).
+    pub doc_starts: Option<I>,
 }
 
 /// Attention of `q` `[batch, heads, seq_q, head_dim]` over `k` and `v`
@@ -99,16 +106,22 @@ pub struct AttentionTensors<F, I> {
 /// * `sinks`: `[heads]`, one extra softmax logit per head, learned.
 /// * `key_lengths`: `[batch]`, how many leading keys of each batch entry are
 ///   real (right padding); the rest are hidden.
+/// * `positions`: `[batch, seq_k]`, each key position's place in its
+///   document, for rows that pack several documents: a document starts
+///   where the position is 0 (and at the row's start), and a query sees
+///   only the keys of its own document. The same ids that give RoPE its
+///   angles. Needs the causal mask.
 ///
 /// Errors on ranks/shapes that do not fit together, a head count not a
 /// multiple of the key/value heads, a zero window, a non-finite or
-/// non-positive scale, non-float inputs, or tensors on different devices.
+/// non-positive scale, documents without the causal mask, non-float
+/// inputs, or tensors on different devices.
 ///
 /// # Shapes
 ///
 /// - `q`: `[batch, heads, seq_q, head_dim]`
 /// - `k`, `v`: `[batch, kv_heads, seq_k, head_dim]`, `heads` a multiple of `kv_heads`
-/// - `sinks`: `[heads]`; `key_lengths`: `[batch]`
+/// - `sinks`: `[heads]`; `key_lengths`: `[batch]`; `positions`: `[batch, seq_k]`
 /// - output: `[batch, heads, seq_q, head_dim]`
 pub fn attention<B: BastileBackend>(
     q: Tensor<B, 4>,
@@ -116,6 +129,7 @@ pub fn attention<B: BastileBackend>(
     v: Tensor<B, 4>,
     sinks: Option<Tensor<B, 1>>,
     key_lengths: Option<Tensor<B, 1, Int>>,
+    positions: Option<Tensor<B, 2, Int>>,
     options: AttentionOptions,
 ) -> Result<Tensor<B, 4>, BastileError> {
     for (what, t) in [("query", &q), ("key", &k), ("value", &v)] {
@@ -161,6 +175,21 @@ pub fn attention<B: BastileBackend>(
         }
         check_same_device("key lengths", &l.device(), "query", &q.device())?;
     }
+    if let Some(p) = &positions {
+        if p.dims() != [b, sk] {
+            return Err(BastileError::Shape(format!(
+                "attention positions must be [batch, seq_k] = [{b}, {sk}], got {:?}",
+                p.dims()
+            )));
+        }
+        if !options.causal {
+            return Err(BastileError::Config(
+                "packed documents need the causal mask (a query's document must end at the query)"
+                    .into(),
+            ));
+        }
+        check_same_device("positions", &p.device(), "query", &q.device())?;
+    }
     check_same_device("key", &k.device(), "query", &q.device())?;
     check_same_device("value", &v.device(), "query", &q.device())?;
     if options.window == Some(0) {
@@ -178,6 +207,7 @@ pub fn attention<B: BastileBackend>(
         scale,
         causal: options.causal,
         window: options.window,
+        documents: positions.is_some(),
     };
     let input = AttentionTensors {
         q: q.into_primitive().tensor(),
@@ -185,9 +215,22 @@ pub fn attention<B: BastileBackend>(
         v: v.into_primitive().tensor(),
         sinks: sinks.map(|s| s.into_primitive().tensor()),
         key_lengths: key_lengths.map(|l| l.into_primitive()),
+        doc_starts: positions.map(|p| document_starts(p).into_primitive()),
     };
     let (out, _lse) = B::run(&Attention { spec }, input);
     Ok(float(out))
+}
+
+/// Where each position's document starts, from each position's place in
+/// its document (`[batch, seq]`): the last position at or before it whose
+/// place is 0 (the row's start if none). Never decreasing along a row,
+/// whatever the ids, so the kernels' block bounds hold.
+pub fn document_starts<B: Backend>(positions: Tensor<B, 2, Int>) -> Tensor<B, 2, Int> {
+    let [b, s] = positions.dims();
+    let index = Tensor::<B, 1, Int>::arange(0..s as i64, &positions.device())
+        .reshape([1, s])
+        .expand([b, s]);
+    index.mask_fill(positions.not_equal_elem(0), 0).cummax(1)
 }
 
 /// Attention forward: `(out, lse)`, `lse` the f32 log-sum-exp per query
@@ -249,7 +292,7 @@ impl FusedOp for Attention {
             has_sinks: t.sinks.is_some(),
         };
         let floats = [t.q, t.k, t.v].into_iter().chain(t.sinks).collect();
-        let ints = t.key_lengths.into_iter().collect();
+        let ints = t.key_lengths.into_iter().chain(t.doc_starts).collect();
         let mut out = K::launch(&launch, floats, ints, outputs);
         let lse = out.pop().expect("lse");
         (out.pop().expect("the attention output"), lse)
@@ -309,7 +352,7 @@ impl FusedOp for AttentionBackward {
             .into_iter()
             .chain(t.sinks)
             .collect();
-        let ints = t.key_lengths.into_iter().collect();
+        let ints = t.key_lengths.into_iter().chain(t.doc_starts).collect();
         let mut g = K::launch(&launch, floats, ints, outputs);
         let sinks = sink_dtype.map(|dtype| {
             let rows = float::<K, 3>(g.pop().expect("the sink gradient rows"));
@@ -343,6 +386,6 @@ pub(crate) fn warmup<B: BastileBackend>(device: &B::Device) {
         causal: true,
         ..Default::default()
     };
-    let _ = attention(q, k, v, None, None, options);
+    let _ = attention(q, k, v, None, None, None, options);
     let _ = B::sync(device);
 }

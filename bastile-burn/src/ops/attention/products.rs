@@ -139,6 +139,7 @@ struct Inputs<R: CubeRuntime> {
     v: CubeTensor<R>,
     sinks: Option<CubeTensor<R>>,
     lengths: Option<CubeTensor<R>>,
+    doc_starts: Option<CubeTensor<R>>,
 }
 
 impl<R: CubeRuntime> Inputs<R> {
@@ -150,6 +151,7 @@ impl<R: CubeRuntime> Inputs<R> {
             v: heads(t.v).0,
             sinks: t.sinks.map(sinks_f32),
             lengths: t.key_lengths.map(contiguous_i32),
+            doc_starts: t.doc_starts.map(contiguous_i32),
         }
     }
 
@@ -196,6 +198,7 @@ pub(super) fn forward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolEl
             lse: lse.handle.clone(),
             sinks: x.sinks.as_ref().map(|s| s.handle.clone()),
             key_lengths: x.lengths.as_ref().map(|l| l.handle.clone()),
+            doc_starts: x.doc_starts.as_ref().map(|s| s.handle.clone()),
         };
         attention::block_softmax(&x.q.client, p, &block, &buffers)
             .unwrap_or_else(|e| panic!("attention block softmax after a support check: {e}"));
@@ -254,6 +257,7 @@ pub(super) fn backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolE
         lse: lse.handle.clone(),
         sinks: x.sinks.as_ref().map(|s| s.handle.clone()),
         key_lengths: None,
+        doc_starts: None,
         dq: unused(&x.q),
         dk: unused(&x.q),
         dv: unused(&x.q),
@@ -291,6 +295,7 @@ pub(super) fn backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolE
             lse: lse.handle.clone(),
             delta: delta.handle.clone(),
             key_lengths: x.lengths.as_ref().map(|l| l.handle.clone()),
+            doc_starts: x.doc_starts.as_ref().map(|s| s.handle.clone()),
             probs: probs.handle.clone(),
             dscores: dscores.handle.clone(),
         };

@@ -79,25 +79,40 @@ impl<B: Backend> RopeTables<B> {
     /// (`head_dim/2` of them), computed on the device in f32 as HF does
     /// (`position · inv_freq`, then `cos`/`sin` times `scaling`).
     pub fn new(positions: usize, inv_freq: &[f32], scaling: f32, device: &B::Device) -> Self {
-        let half = inv_freq.len();
         // Built from host f32 data: an arange in the backend's default
         // float dtype (possibly bf16) would round large positions.
         let pos = Tensor::<B, 2>::from_data(
             burn::tensor::TensorData::new(
                 (0..positions).map(|p| p as f32).collect::<Vec<_>>(),
-                [positions, 1],
+                [1, positions],
             ),
             (device, DType::F32),
         );
+        Self::of_positions(pos, inv_freq, scaling)
+    }
+
+    /// One table per sequence for explicit `position_ids` (`[batch, seq]`,
+    /// e.g. packed documents restarting at 0), computed from the ids as
+    /// [`RopeTables::new`] computes its positions (HF's per-sequence
+    /// rotary embedding), with no table to index and nothing read back.
+    pub fn for_positions(position_ids: Tensor<B, 2, Int>, inv_freq: &[f32], scaling: f32) -> Self {
+        let pos = position_ids.cast(burn::tensor::FloatDType::F32);
+        Self::of_positions(pos, inv_freq, scaling)
+    }
+
+    /// Tables `[tables, positions, half]` for f32 positions
+    /// `[tables, positions]`.
+    fn of_positions(pos: Tensor<B, 2>, inv_freq: &[f32], scaling: f32) -> Self {
+        let half = inv_freq.len();
         let freq = Tensor::<B, 1>::from_data(
             burn::tensor::TensorData::new(inv_freq.to_vec(), [half]),
-            (device, DType::F32),
+            (&pos.device(), DType::F32),
         )
-        .reshape([1, half]);
-        let angles = pos * freq;
+        .reshape([1, 1, half]);
+        let angles = pos.unsqueeze_dim::<3>(2) * freq;
         Self {
-            cos: (angles.clone().cos() * scaling).unsqueeze(),
-            sin: (angles.sin() * scaling).unsqueeze(),
+            cos: angles.clone().cos() * scaling,
+            sin: angles.sin() * scaling,
         }
     }
 

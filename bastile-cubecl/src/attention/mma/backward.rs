@@ -21,7 +21,8 @@ use cubecl::prelude::*;
 use crate::attention::{AttnDims, BackwardInputs};
 
 use super::super::tile::{
-    AttnTile, DK, DOUT, DQ, DV, K, OwnedRows, Q, V, allowed, head_rows, owned_rows,
+    AttnTile, DK, DOUT, DQ, DV, K, OwnedRows, Q, V, allowed, first_key, head_rows, owned_rows,
+    query_end, seen_by,
 };
 use super::fragment::{
     Frag, Pair, Tile, acc_to_a, cols_base, load_b_cols, load_tile, mma_pair, products, stage_accs,
@@ -119,7 +120,8 @@ pub(crate) fn store_dk_dv<F: Float, N: Size>(
 /// the lane's first row `key_top`, by `8·sn` queries from column `qoff` of
 /// the block of queries from `q0`) into `Pᵀ = exp(scale·Sᵀ − lse)` and
 /// `dSᵀ = Pᵀ ⊙ (dPᵀ − Δ)`, zero where the query may not see the key
-/// (checked only when the block is not `full`). The block's statistics
+/// (checked only when the block is not `full`, against the lane's keys'
+/// `key_ends` from [`lane_key_ends`]). The block's statistics
 /// are staged from row `first` of `stats`' stage: `lse` then `Δ`, read as
 /// the lane's pairs of columns.
 #[cube]
@@ -132,6 +134,7 @@ pub(crate) fn softmax_grads(
     qoff: usize,
     q0: usize,
     key_top: usize,
+    key_ends: &Array<usize>,
     full: bool,
     own: &OwnedRows,
     dims: &AttnDims,
@@ -141,18 +144,37 @@ pub(crate) fn softmax_grads(
 ) {
     let q_pos = q0 + own.offset;
     let klen = own.klen;
-    let window = dims.window;
     let scale = dims.scale;
     // One test per block: a block seen whole runs no per-element check.
     if full {
         block_grads(
-            p, ds, stats, first, qoff, q_pos, key_top, klen, window, scale, false, mt, sn, t,
+            p, ds, stats, first, qoff, q_pos, key_top, key_ends, klen, scale, false, mt, sn, t,
         );
     } else {
         block_grads(
-            p, ds, stats, first, qoff, q_pos, key_top, klen, window, scale, true, mt, sn, t,
+            p, ds, stats, first, qoff, q_pos, key_top, key_ends, klen, scale, true, mt, sn, t,
         );
     }
+}
+
+/// The [`query_end`] of each of the lane's keys (`key_top + 16·m + 8·r`
+/// at `2·m + r`, for the `mt` 16-key tiles of its plane).
+#[cube]
+pub(crate) fn lane_key_ends<F: Float, N: Size>(
+    inputs: &KeySideInputs<F, N>,
+    own: &OwnedRows,
+    dims: &AttnDims,
+    key_top: usize,
+    #[comptime] mt: usize,
+    #[comptime] t: AttnTile,
+) -> Array<usize> {
+    let mut ends = Array::<usize>::new(comptime![2 * mt]);
+    #[unroll]
+    for i in 0..comptime![2 * mt] {
+        let key = key_top + (i / 2) * 16 + (i % 2) * 8;
+        ends[i] = query_end(&inputs.doc_starts, own.b, key, dims.seq_k, dims.window, t);
+    }
+    ends
 }
 
 /// [`softmax_grads`] for one branch of the block's `full` test: with
@@ -167,8 +189,8 @@ fn block_grads(
     qoff: usize,
     q_pos: usize,
     key_top: usize,
+    key_ends: &Array<usize>,
     klen: usize,
-    window: usize,
     scale: f32,
     #[comptime] masked: bool,
     #[comptime] mt: usize,
@@ -195,7 +217,8 @@ fn block_grads(
                     for e in 0..2usize {
                         let c = qoff + nt * 8 + col + e;
                         let key = key_top + m * 16 + r * 8;
-                        x[e] = select(allowed(q_pos + c, key, klen, window, t), x[e], 0.0f32);
+                        let ok = seen_by(q_pos + c, key, key_ends[2 * m + r], klen, t);
+                        x[e] = select(ok, x[e], 0.0f32);
                     }
                 }
                 d_acc[r] = x * (d_acc[r] - dlt);
@@ -222,7 +245,7 @@ pub(crate) fn mma_dkdv_kernel<F: Float, N: Size>(
     let pitch = comptime![t.head_dim as usize / 8 + 1];
     let ksteps = comptime![t.head_dim as usize / 16];
     let sn = comptime![t.cols as usize / 8];
-    let own = owned_rows(&dims, &inputs.key_lengths, false, t);
+    let own = owned_rows(&dims, &inputs.key_lengths, &inputs.doc_starts, false, t);
     if own.b < dims.batch {
         let mut smem_k =
             SharedMemory::<Vector<F, N>>::new_aligned(comptime![rows * pitch], 16usize);
@@ -232,6 +255,7 @@ pub(crate) fn mma_dkdv_kernel<F: Float, N: Size>(
 
         let row0 = plane * 16;
         let key_top = own.first + row0 + lane / 4;
+        let key_ends = lane_key_ends::<F, N>(inputs, &own, &dims, key_top, 1usize, t);
         let mut acc_k = zero_accs(vecs);
         let mut acc_v = zero_accs(vecs);
 
@@ -248,8 +272,8 @@ pub(crate) fn mma_dkdv_kernel<F: Float, N: Size>(
             let full = queries_full(&own, &dims, q0, own.last, t);
             let stats = queries.stat;
             softmax_grads(
-                &mut p, &mut ds, &stats, first, 0usize, q0, key_top, full, &own, &dims, 1usize, sn,
-                t,
+                &mut p, &mut ds, &stats, first, 0usize, q0, key_top, &key_ends, full, &own, &dims,
+                1usize, sn, t,
             );
             accumulate_rows::<F, N>(&mut acc_v, &p, &dout, first, sn, vecs, pitch);
             accumulate_rows::<F, N>(&mut acc_k, &ds, &q, first, sn, vecs, pitch);
@@ -302,7 +326,7 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
     let units = comptime![mma_units(t)];
     let ksteps = comptime![t.head_dim as usize / 16];
     let sn = comptime![t.cols as usize / 8];
-    let own = owned_rows(&dims, &inputs.key_lengths, true, t);
+    let own = owned_rows(&dims, &inputs.key_lengths, &inputs.doc_starts, true, t);
     if own.b < dims.batch {
         let b = own.b;
         let h = own.head;
@@ -338,9 +362,13 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
         // no registers to spare for broadcast pairs).
         let mut neg_lse = Array::<f32>::new(2usize);
         let mut delta_r = Array::<f32>::new(2usize);
+        // The first key each of the two rows sees (window, document).
+        let mut lowest = Array::<usize>::new(2usize);
         #[unroll]
         for r in 0..2usize {
             let row = top + r * 8;
+            let qpos = row + own.offset;
+            lowest[r] = first_key(&inputs.doc_starts, b, qpos, dims.seq_k, dims.window, t);
             let real = row < seq_q;
             let at = select(real, stat + row, 0usize);
             neg_lse[r] = -select(real, inputs.lse[at], NO_ROW);
@@ -359,7 +387,7 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
             let s = products::<F, N>(&smem_q, row0, &keys.k, stage, 1usize, sn, ksteps, pitch);
             let mut ds =
                 products::<F, N>(&smem_do, row0, &keys.v, stage, 1usize, sn, ksteps, pitch);
-            let full = keys_full(&own, &dims, k0, t);
+            let full = keys_full(&own, k0, t);
             #[unroll]
             for nt in 0..sn {
                 let s_acc = s.index(nt);
@@ -374,7 +402,7 @@ pub(crate) fn mma_dq_kernel<F: Float, N: Size>(
                         if !full {
                             let key = k0 + nt * 8 + col + e;
                             let qpos = top + r * 8 + own.offset;
-                            let ok = allowed(qpos, key, own.klen, dims.window, t);
+                            let ok = allowed(qpos, key, lowest[r], own.klen, t);
                             x = select(ok, x, 0.0f32);
                         }
                         dr[e] = x * (dr[e] - delta_r[r]);

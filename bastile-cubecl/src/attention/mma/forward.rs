@@ -12,7 +12,8 @@ use cubecl::prelude::*;
 use crate::attention::{AttnDims, ForwardInputs};
 
 use super::super::tile::{
-    AttnTile, K, MASKED, MASKED_BELOW, OUT, OwnedRows, Q, V, allowed, head_rows, owned_rows,
+    AttnTile, K, MASKED, MASKED_BELOW, OUT, OwnedRows, Q, V, allowed, first_key, head_rows,
+    owned_rows,
 };
 use super::fragment::{
     Frag, Pair, Tile, a_base, acc_to_a, cols_base, load_a, load_b_cols, load_b_rows, load_tile,
@@ -43,7 +44,7 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
     let mt = comptime![plane_tiles(t)];
     // Rows of the plane each lane holds statistics for: two per tile.
     let rl = comptime![2 * mt];
-    let own = owned_rows(&dims, &inputs.key_lengths, true, t);
+    let own = owned_rows(&dims, &inputs.key_lengths, &inputs.doc_starts, true, t);
     if own.b < dims.batch {
         let b = own.b;
         let h = own.head;
@@ -83,6 +84,13 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
         // of the plane, kept in the row statistics at `2·m` and `2·m + 1`.
         let top = q0 + row0 + lane / 4;
         let col = (lane % 4) * 2;
+        // The first key each of the lane's rows sees (window, document).
+        let mut lowest = Array::<usize>::new(rl);
+        #[unroll]
+        for r in 0..rl {
+            let qpos = top + (r / 2) * 16 + (r % 2) * 8 + own.offset;
+            lowest[r] = first_key(&inputs.doc_starts, b, qpos, dims.seq_k, dims.window, t);
+        }
         let mut m_run = Array::<f32>::new(rl);
         // Per-lane partial sums; the sink's term counts once per row.
         let mut l_run = Array::<f32>::new(rl);
@@ -109,7 +117,7 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
 
             // Scale, mask where the block is not entirely visible, and take
             // the block's row maxima.
-            let full = keys_full(&own, &dims, k0, t);
+            let full = keys_full(&own, k0, t);
             let mut blk = Array::<f32>::new(rl);
             #[unroll]
             for r in 0..rl {
@@ -119,9 +127,13 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
             // check.
             let row_top = top + own.offset;
             if full {
-                scale_scores(&mut s, &mut blk, k0, row_top, &own, &dims, false, mt, t);
+                scale_scores(
+                    &mut s, &mut blk, k0, row_top, &lowest, &own, &dims, false, mt, t,
+                );
             } else {
-                scale_scores(&mut s, &mut blk, k0, row_top, &own, &dims, true, mt, t);
+                scale_scores(
+                    &mut s, &mut blk, k0, row_top, &lowest, &own, &dims, true, mt, t,
+                );
             }
             // The plane keeps its running maxima (and skips rescaling the
             // output and sums) unless a row's block maximum passes its
@@ -242,8 +254,8 @@ pub(crate) fn mma_forward_kernel<F: Float, N: Size>(
 
 /// Scales a block's scores (keys from `k0`; the lane's first row at
 /// `row_top` in key positions) in place and takes their row maxima into
-/// `blk`; with `masked`, scores of keys the row may not see become
-/// `MASKED`.
+/// `blk`; with `masked`, scores of keys the row may not see (before its
+/// `lowest` key, at `2·m + hr` for tile `m`'s half `hr`) become `MASKED`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn scale_scores(
@@ -251,6 +263,7 @@ fn scale_scores(
     blk: &mut Array<f32>,
     k0: usize,
     row_top: usize,
+    lowest: &Array<usize>,
     own: &OwnedRows,
     dims: &AttnDims,
     #[comptime] masked: bool,
@@ -272,7 +285,7 @@ fn scale_scores(
                     let row = row_top + m * 16 + hr * 8;
                     #[unroll]
                     for e in 0..2usize {
-                        let ok = allowed(row, key + e, own.klen, dims.window, t);
+                        let ok = allowed(row, key + e, lowest[2 * m + hr], own.klen, t);
                         x[e] = select(ok, x[e], MASKED);
                     }
                 }

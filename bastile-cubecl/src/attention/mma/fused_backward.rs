@@ -26,7 +26,7 @@ use cubecl::prelude::*;
 use crate::attention::AttnDims;
 
 use super::super::tile::{AttnTile, owned_rows};
-use super::backward::{KeySideInputs, load_keys_values, softmax_grads, store_dk_dv};
+use super::backward::{KeySideInputs, lane_key_ends, load_keys_values, softmax_grads, store_dk_dv};
 use super::fragment::{Frag, accumulate_tiles, products, stage_accs, zero_accs};
 use super::queries_full;
 use super::stream::QueryStream;
@@ -148,7 +148,7 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
     let ksteps = comptime![t.head_dim as usize / 16];
     // `Pᵀ` and `dSᵀ` tiles: keys by queries.
     let p_pitch = comptime![t.cols as usize / 8 + 1];
-    let own = owned_rows(&dims, &inputs.key_lengths, false, t);
+    let own = owned_rows(&dims, &inputs.key_lengths, &inputs.doc_starts, false, t);
     if own.b < dims.batch {
         let k0 = own.first;
         let mut smem_k =
@@ -171,6 +171,7 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
         let half_q = (plane % 2) * (cols / 2);
         let half_d = (plane % 2) * (d / 2);
         let key_top = k0 + krow + lane / 4;
+        let key_ends = lane_key_ends::<F, N>(inputs, &own, &dims, key_top, 2usize, t);
         // Phase 3 tile: 32 queries from `qrow`, columns from `dcol`.
         let qrow = (plane % dq_rows) * 32;
         let dcol = (plane / dq_rows) * (d / dq_split);
@@ -198,8 +199,8 @@ pub(crate) fn mma_fused_backward_kernel<F: Float, N: Size>(
             let full = queries_full(&own, &dims, q0, k0 + rows - 1, t);
             let stats = queries.stat;
             softmax_grads(
-                &mut p, &mut ds, &stats, first, half_q, q0, key_top, full, &own, &dims, 2usize, sn,
-                t,
+                &mut p, &mut ds, &stats, first, half_q, q0, key_top, &key_ends, full, &own, &dims,
+                2usize, sn, t,
             );
             #[unroll]
             for m in 0..2usize {

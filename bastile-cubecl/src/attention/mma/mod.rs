@@ -24,7 +24,7 @@ use cubecl::ir::{ElemType, FloatKind, StorageType, Type};
 use cubecl::prelude::*;
 use cubecl::tune::{LocalTuner, local_tuner};
 
-use super::tile::{AttnTile, OwnedRows, allowed};
+use super::tile::{AttnTile, OwnedRows, allowed, seen_by};
 use super::{
     AttentionBackwardBuffers, AttentionForwardBuffers, AttentionProblem, AttnDims, AttnKey,
     HeadLayout, backward_delta_zeroing, flat_arg, key,
@@ -73,6 +73,7 @@ impl MmaLaunch {
             window: problem.window.is_some(),
             sinks: problem.sinks,
             key_lengths: problem.key_lengths,
+            documents: problem.documents,
         }
     }
 
@@ -240,6 +241,7 @@ pub fn forward_with<R: Runtime>(
 ) -> Result<(), KernelError> {
     let b = buffers;
     ready(client, problem, &b.layouts())?;
+    b.check_masks(problem)?;
     let t = config.check(client, problem, false)?;
     let p = problem;
     let q_blocks = p.seq_q.div_ceil(config.rows());
@@ -274,6 +276,7 @@ pub fn backward_with<R: Runtime>(
     let b = buffers;
     let layouts = b.layouts();
     ready(client, problem, &layouts)?;
+    b.check_masks(problem)?;
     let t = config.check(client, problem, true)?;
     let p = problem;
     let rows = p.query_rows();
@@ -444,6 +447,7 @@ pub fn forward<R: Runtime>(
 ) -> Result<(), KernelError> {
     let b = buffers;
     ready(client, problem, &b.layouts())?;
+    b.check_masks(problem)?;
     let (id, key, list) = tuned_candidates(client, device, problem, false);
     run_tuned(
         &FORWARD_TUNER,
@@ -466,6 +470,7 @@ pub fn backward<R: Runtime>(
 ) -> Result<(), KernelError> {
     let b = buffers;
     ready(client, problem, &b.layouts())?;
+    b.check_masks(problem)?;
     let (id, key, list) = tuned_candidates(client, device, problem, true);
     run_tuned(
         &BACKWARD_TUNER,
@@ -491,22 +496,23 @@ pub(crate) fn plane_tiles(t: AttnTile) -> usize {
 }
 
 /// Whether every query the cube owns sees every key of the block of
-/// `t.cols` keys from `k0`: then the block needs no mask.
+/// `t.cols` keys from `k0`: then the block needs no mask. The first query
+/// sees the last key (a real key, not in its future) and the last query
+/// sees the first key (not before its window or document); every other
+/// pair lies between.
 #[cube]
-pub(crate) fn keys_full(
-    own: &OwnedRows,
-    dims: &AttnDims,
-    k0: usize,
-    #[comptime] t: AttnTile,
-) -> bool {
+pub(crate) fn keys_full(own: &OwnedRows, k0: usize, #[comptime] t: AttnTile) -> bool {
     let q_first = own.first + own.offset;
     let q_last = own.last + own.offset;
     let k_last = k0 + comptime![t.cols as usize] - 1;
-    block_full(q_first, q_last, k0, k_last, own.klen, dims.window, t)
+    allowed(q_first, k_last, own.first_bound, own.klen, t)
+        && allowed(q_last, k0, own.last_bound, own.klen, t)
 }
 
 /// Whether every query of the block of `t.cols` queries from `q0` sees
-/// every key of `[own.first, k_last]`: then the block needs no mask.
+/// every key of `[own.first, k_last]`: then the block needs no mask. Keys
+/// past the cube's last one do not exist, so such a block is never full;
+/// otherwise the corners decide, as in [`keys_full`].
 #[cube]
 pub(crate) fn queries_full(
     own: &OwnedRows,
@@ -519,22 +525,7 @@ pub(crate) fn queries_full(
     let q_row_last = select(q_end < dims.seq_q, q_end, dims.seq_q) - 1;
     let q_first = q0 + own.offset;
     let q_last = q_row_last + own.offset;
-    block_full(q_first, q_last, own.first, k_last, own.klen, dims.window, t)
-}
-
-/// Whether every query position in `[q_first, q_last]` sees every key in
-/// `[k_first, k_last]`: the first query sees the last key (a real key, not
-/// in its future) and the last query sees the first key (not a whole
-/// window back); every other pair lies between.
-#[cube]
-fn block_full(
-    q_first: usize,
-    q_last: usize,
-    k_first: usize,
-    k_last: usize,
-    klen: usize,
-    window: usize,
-    #[comptime] t: AttnTile,
-) -> bool {
-    allowed(q_first, k_last, klen, window, t) && allowed(q_last, k_first, klen, window, t)
+    k_last <= own.last
+        && seen_by(q_first, k_last, own.last_bound, own.klen, t)
+        && seen_by(q_last, own.first, own.first_bound, own.klen, t)
 }
