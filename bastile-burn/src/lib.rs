@@ -58,7 +58,8 @@ pub use bastile_cubecl::rms_norm::RmsNormCast;
 pub use error::BastileError;
 pub use fused::BastileBackend;
 pub use ops::attention::{
-    AttentionKernels, AttentionOptions, attention, attention_kernels, set_attention_kernels,
+    AttentionKernels, AttentionOptions, attention, attention_kernels, document_starts,
+    set_attention_kernels,
 };
 pub use ops::cross_entropy::{
     CrossEntropyOptions, CrossEntropyOutput, LabelCheck, Reduction, cross_entropy, first_flagged,

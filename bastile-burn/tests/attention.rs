@@ -418,3 +418,18 @@ fn attention_rejects_bad_input() {
     assert!(config_err(with_positions([1, 4], false)));
     assert!(with_positions([1, 4], true).is_ok());
 }
+
+#[test]
+fn document_starts_follow_the_zeros_of_the_positions() {
+    type B = burn::backend::NdArray;
+    let device = Default::default();
+    // A document starts where its place is 0 and at the row's start; ids
+    // that do not count up by one change nothing else.
+    let positions =
+        Tensor::<B, 2, Int>::from_ints([[3, 0, 1, 2, 0, 5], [0, 1, 0, 0, 7, 8]], &device);
+    let starts = bastile::document_starts(positions);
+    assert_eq!(
+        starts.into_data().convert::<i64>().to_vec::<i64>().unwrap(),
+        vec![0, 1, 1, 1, 4, 4, 0, 0, 2, 3, 3, 3]
+    );
+}

@@ -146,14 +146,7 @@ fn check_len(
     len: usize,
     dtype: FloatDtype,
 ) -> Result<(), KernelError> {
-    let needed = (len * dtype.size()) as u64;
-    if handle.size_in_used() < needed {
-        return Err(KernelError::Shape(format!(
-            "{what}: {} bytes hold fewer than {len} {dtype} elements",
-            handle.size_in_used()
-        )));
-    }
-    Ok(())
+    launch::check_holds(what, handle, len, dtype.size())
 }
 
 impl AdamWProblem {

@@ -392,6 +392,39 @@ impl CrossEntropyLaunch {
     }
 }
 
+impl CrossEntropyProblem {
+    /// The f32 values of the row scale.
+    fn row_scale_len(&self) -> usize {
+        match self.row_scale {
+            RowScale::PerRow => self.rows,
+            _ => 1,
+        }
+    }
+}
+
+impl CrossEntropyBuffers {
+    /// Each buffer holds what the launch reads and writes (the losses in the
+    /// stats modes, the gradient and row scale in the gradient modes), row
+    /// strides a multiple of `v`.
+    fn check(&self, p: &CrossEntropyProblem, v: usize) -> Result<(), KernelError> {
+        let (rows, vocab, dtype) = (p.rows, p.vocab, p.dtype);
+        self.logits
+            .check("cross-entropy logits", rows, vocab, v, dtype)?;
+        if let (Some(g), true) = (&self.grad, p.mode.grad()) {
+            g.check("cross-entropy gradient", rows, vocab, v, dtype)?;
+        }
+        launch::check_holds("cross-entropy labels", &self.labels, rows, 4)?;
+        if p.mode.stats() {
+            launch::check_holds("cross-entropy losses", &self.losses, rows, 4)?;
+        }
+        launch::check_holds("cross-entropy lse", &self.lse, rows, 4)?;
+        if let (Some(h), true) = (&self.row_scale, p.mode.grad()) {
+            launch::check_holds("cross-entropy row scale", h, p.row_scale_len(), 4)?;
+        }
+        Ok(())
+    }
+}
+
 fn validate(
     problem: &CrossEntropyProblem,
     buffers: &CrossEntropyBuffers,
@@ -402,7 +435,7 @@ fn validate(
             "a row scale mode needs a row_scale buffer".into(),
         ));
     }
-    Ok(())
+    buffers.check(problem, 1)
 }
 
 /// Launches the kernel with one explicit configuration.
@@ -420,15 +453,13 @@ pub fn launch_with<R: Runtime>(
     }
     let v = config.vector_size;
     let vocab_vecs = problem.vocab / v;
+    buffers.check(problem, v)?;
+    let scale_len = problem.row_scale_len();
     // Arguments a mode does not use get a one-element stand-in.
     let dummy = || client.empty(16);
     let (grad, grad_stride) = match &buffers.grad {
         Some(g) => (g.arg(problem.rows, problem.vocab), g.stride_vecs(v)),
         None => (Rows::dense(dummy(), v).arg(1, v), 0),
-    };
-    let scale_len = match problem.row_scale {
-        RowScale::PerRow => problem.rows,
-        _ => 1,
     };
     let row_scale = match &buffers.row_scale {
         Some(h) => tensor_arg(h, scale_len, 1),

@@ -64,12 +64,33 @@ pub struct GegluForwardBuffers {
     pub out: Rows,
 }
 
+impl GegluForwardBuffers {
+    /// Each buffer holds what the forward reads and writes, row strides a
+    /// multiple of `v`.
+    fn check(&self, p: &GegluProblem, v: usize) -> Result<(), KernelError> {
+        let (rows, inter, dtype) = (p.rows, p.inter, p.dtype);
+        self.input.check("GEGLU input", rows, 2 * inter, v, dtype)?;
+        self.out.check("GEGLU out", rows, inter, v, dtype)
+    }
+}
+
 /// Backward buffers: `dout` is `rows × inter`, `dinput` `rows × 2·inter`.
 #[derive(Clone, Debug)]
 pub struct GegluBackwardBuffers {
     pub input: Rows,
     pub dout: Rows,
     pub dinput: Rows,
+}
+
+impl GegluBackwardBuffers {
+    /// Each buffer holds what the backward reads and writes, row strides a
+    /// multiple of `v`.
+    fn check(&self, p: &GegluProblem, v: usize) -> Result<(), KernelError> {
+        let (rows, inter, dtype) = (p.rows, p.inter, p.dtype);
+        self.input.check("GEGLU input", rows, 2 * inter, v, dtype)?;
+        self.dout.check("GEGLU dout", rows, inter, v, dtype)?;
+        self.dinput.check("GEGLU dinput", rows, 2 * inter, v, dtype)
+    }
 }
 
 /// Loads the `2·N` interleaved input elements of one item as f32.
@@ -201,6 +222,7 @@ pub fn forward_with<R: Runtime>(
     let Some((v, row_items)) = problem.shape().tile(client, config)? else {
         return Ok(());
     };
+    buffers.check(problem, v)?;
     unsafe {
         geglu_forward_kernel::launch_unchecked::<R>(
             client,
@@ -232,6 +254,7 @@ pub fn backward_with<R: Runtime>(
     let Some((v, row_items)) = problem.shape().tile(client, config)? else {
         return Ok(());
     };
+    buffers.check(problem, v)?;
     unsafe {
         geglu_backward_kernel::launch_unchecked::<R>(
             client,
@@ -290,6 +313,8 @@ pub fn forward<R: Runtime>(
     problem: &GegluProblem,
     buffers: &GegluForwardBuffers,
 ) -> Result<(), KernelError> {
+    problem.validate()?;
+    buffers.check(problem, 1)?;
     tuned(false, forward_with::<R>, client, device, problem, buffers)
 }
 
@@ -300,5 +325,7 @@ pub fn backward<R: Runtime>(
     problem: &GegluProblem,
     buffers: &GegluBackwardBuffers,
 ) -> Result<(), KernelError> {
+    problem.validate()?;
+    buffers.check(problem, 1)?;
     tuned(true, backward_with::<R>, client, device, problem, buffers)
 }

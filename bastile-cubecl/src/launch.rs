@@ -2,8 +2,28 @@
 //! grids larger than one dimension allows.
 
 use cubecl::prelude::*;
+use cubecl::server::Handle;
 
 use crate::{FloatDtype, KernelError};
+
+/// That `handle` holds `elements` values of `bytes` each: what a launch
+/// reads or writes there, checked before it is queued (a kernel indexes
+/// its buffers unchecked).
+pub fn check_holds(
+    what: &str,
+    handle: &Handle,
+    elements: usize,
+    bytes: usize,
+) -> Result<(), KernelError> {
+    let needed = elements as u64 * bytes as u64;
+    if handle.size_in_used() < needed {
+        return Err(KernelError::Shape(format!(
+            "{what}: its buffer holds {} bytes, fewer than {elements} values of {bytes} bytes",
+            handle.size_in_used()
+        )));
+    }
+    Ok(())
+}
 
 /// The plane (warp / subgroup) sizes this client may run with, read from the
 /// runtime: 32 on NVIDIA GPUs, 8 on Mesa's lavapipe, a range on some Vulkan

@@ -377,6 +377,19 @@ pub struct ForwardBuffers {
     pub rstd: Handle,
 }
 
+impl ForwardBuffers {
+    /// Each buffer holds what the forward reads and writes.
+    fn check(&self, p: &RmsNormProblem, vector_size: usize) -> Result<(), KernelError> {
+        let (rows, hidden, dtype) = (p.rows, p.hidden, p.dtype);
+        self.x
+            .check("RMSNorm x", rows, hidden, vector_size, dtype)?;
+        self.out
+            .check("RMSNorm out", rows, hidden, vector_size, dtype)?;
+        launch::check_holds("RMSNorm gamma", &self.gamma, hidden, dtype.size())?;
+        launch::check_holds("RMSNorm rstd", &self.rstd, rows, 4)
+    }
+}
+
 /// The buffers of a backward launch. `dgamma` receives `hidden` elements of
 /// the problem's dtype.
 #[derive(Clone, Debug)]
@@ -389,6 +402,22 @@ pub struct BackwardBuffers {
     pub dgamma: Handle,
 }
 
+impl BackwardBuffers {
+    /// Each buffer holds what the backward reads and writes.
+    fn check(&self, p: &RmsNormProblem, vector_size: usize) -> Result<(), KernelError> {
+        let (rows, hidden, dtype) = (p.rows, p.hidden, p.dtype);
+        self.x
+            .check("RMSNorm x", rows, hidden, vector_size, dtype)?;
+        self.dy
+            .check("RMSNorm dy", rows, hidden, vector_size, dtype)?;
+        self.dx
+            .check("RMSNorm dx", rows, hidden, vector_size, dtype)?;
+        launch::check_holds("RMSNorm gamma", &self.gamma, hidden, dtype.size())?;
+        launch::check_holds("RMSNorm dgamma", &self.dgamma, hidden, dtype.size())?;
+        launch::check_holds("RMSNorm rstd", &self.rstd, rows, 4)
+    }
+}
+
 /// Launches the forward kernel with one explicit configuration.
 pub fn forward_with<R: Runtime>(
     client: &ComputeClient<R>,
@@ -398,6 +427,7 @@ pub fn forward_with<R: Runtime>(
 ) -> Result<(), KernelError> {
     problem.validate()?;
     let cfg = config.check(client, problem)?;
+    buffers.check(problem, config.vector_size)?;
     if problem.rows == 0 {
         return Ok(());
     }
@@ -434,6 +464,7 @@ pub fn backward_with<R: Runtime>(
 ) -> Result<(), KernelError> {
     problem.validate()?;
     let cfg = config.check(client, problem)?;
+    buffers.check(problem, config.vector_size)?;
     let row_cubes = problem.rows.div_ceil(config.rows_per_cube as usize);
     // Enough cubes to fill the device a few times over, no more: every cube
     // writes one partial row of dγ that the second stage reads back.
@@ -637,6 +668,8 @@ pub fn forward<R: Runtime>(
     problem: &RmsNormProblem,
     buffers: &ForwardBuffers,
 ) -> Result<(), KernelError> {
+    problem.validate()?;
+    buffers.check(problem, 1)?;
     run(
         &FORWARD_TUNER,
         false,
@@ -656,6 +689,8 @@ pub fn backward<R: Runtime>(
     problem: &RmsNormProblem,
     buffers: &BackwardBuffers,
 ) -> Result<(), KernelError> {
+    problem.validate()?;
+    buffers.check(problem, 1)?;
     run(
         &BACKWARD_TUNER,
         true,

@@ -69,6 +69,12 @@ impl RopeProblem {
         self.head_dim / 2
     }
 
+    /// The f32 values of each table.
+    fn table_len(&self) -> usize {
+        let tables = if self.table_batched { self.batch } else { 1 };
+        tables * self.table_rows * self.half()
+    }
+
     fn validate(&self) -> Result<(), KernelError> {
         if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return Err(KernelError::Shape(format!(
@@ -163,6 +169,34 @@ pub struct HeadTensor {
 }
 
 impl HeadTensor {
+    /// The buffer reaches the last row of `heads` heads, and the strides
+    /// are whole vectors of `v`.
+    fn check(
+        &self,
+        what: &str,
+        p: &RopeProblem,
+        heads: usize,
+        v: usize,
+    ) -> Result<(), KernelError> {
+        let s = &self.strides;
+        if ![s.batch, s.head, s.seq].iter().all(|x| x.is_multiple_of(v)) {
+            return Err(KernelError::Shape(format!(
+                "RoPE {what}: strides {s:?} are not whole vectors of {v}"
+            )));
+        }
+        let extent = if p.batch * heads * p.seq == 0 {
+            0
+        } else {
+            s.extent(p.batch, heads, p.seq, p.head_dim)
+        };
+        launch::check_holds(
+            &format!("RoPE {what}"),
+            &self.handle,
+            extent,
+            p.dtype.size(),
+        )
+    }
+
     fn arg<R: Runtime>(&self, problem: &RopeProblem, heads: usize) -> TensorArg<R> {
         let len = if problem.batch * heads * problem.seq == 0 {
             problem.head_dim
@@ -183,6 +217,23 @@ pub struct RopeBuffers {
     pub k_out: HeadTensor,
     pub cos: Handle,
     pub sin: Handle,
+}
+
+impl RopeBuffers {
+    /// Each buffer holds what the launch reads and writes, strides whole
+    /// vectors of `v`.
+    fn check(&self, p: &RopeProblem, v: usize) -> Result<(), KernelError> {
+        for (what, t, heads) in [
+            ("q", &self.q, p.q_heads),
+            ("k", &self.k, p.k_heads),
+            ("q out", &self.q_out, p.q_heads),
+            ("k out", &self.k_out, p.k_heads),
+        ] {
+            t.check(what, p, heads, v)?;
+        }
+        launch::check_holds("the RoPE cos table", &self.cos, p.table_len(), 4)?;
+        launch::check_holds("the RoPE sin table", &self.sin, p.table_len(), 4)
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -381,13 +432,8 @@ pub fn rope_with<R: Runtime>(
         return Ok(());
     }
     let row_items = problem.half() / v;
-    let table_len = problem.table_rows
-        * problem.half()
-        * if problem.table_batched {
-            problem.batch
-        } else {
-            1
-        };
+    let table_len = problem.table_len();
+    buffers.check(problem, v)?;
     let table = |h: &Handle| unsafe {
         TensorArg::<R>::from_raw_parts(h.clone(), vec![1].into(), vec![table_len].into())
     };
@@ -477,6 +523,7 @@ pub fn rope<R: Runtime>(
     buffers: &RopeBuffers,
 ) -> Result<(), KernelError> {
     problem.validate()?;
+    buffers.check(problem, 1)?;
     let vector_size = problem.vector_size(client);
     let (q_rows, k_rows) = problem.rows();
     let key = RopeKey {

@@ -3,6 +3,8 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
+use crate::{FloatDtype, KernelError, launch};
+
 /// A matrix of `rows × hidden` elements whose rows start `stride` elements
 /// apart (`stride >= hidden`), unit stride within a row.
 #[derive(Clone, Debug)]
@@ -33,6 +35,32 @@ impl Rows {
                 vec![rows, hidden].into(),
             )
         }
+    }
+
+    /// That `rows` rows of `hidden` values of `dtype` fit: a stride at
+    /// least a row, a multiple of `multiple` (what the launch's vector
+    /// width assumes), and a buffer that reaches the last row's end.
+    pub(crate) fn check(
+        &self,
+        what: &str,
+        rows: usize,
+        hidden: usize,
+        multiple: usize,
+        dtype: FloatDtype,
+    ) -> Result<(), KernelError> {
+        if self.stride < hidden || !self.stride.is_multiple_of(multiple.max(1)) {
+            return Err(KernelError::Shape(format!(
+                "{what}: a row stride of {} for rows of {hidden} (the stride must hold a row and \
+                 be a multiple of {multiple})",
+                self.stride
+            )));
+        }
+        let extent = if rows == 0 {
+            0
+        } else {
+            (rows - 1) * self.stride + hidden
+        };
+        launch::check_holds(what, &self.handle, extent, dtype.size())
     }
 
     /// The stride in vectors of `vector_size` elements.

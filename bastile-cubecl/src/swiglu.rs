@@ -66,6 +66,21 @@ impl GluPair {
         matches!(self, GluPair::Packed(_))
     }
 
+    /// Each matrix holds `rows` rows of its width, strides a multiple of
+    /// the vector width `v`.
+    fn check(&self, what: &str, p: &SwiGluProblem, v: usize) -> Result<(), KernelError> {
+        let (rows, inter, dtype) = (p.rows, p.inter, p.dtype);
+        match self {
+            GluPair::Separate { gate, up } => {
+                gate.check(&format!("SwiGLU {what} gate"), rows, inter, v, dtype)?;
+                up.check(&format!("SwiGLU {what} up"), rows, inter, v, dtype)
+            }
+            GluPair::Packed(both) => {
+                both.check(&format!("SwiGLU {what}"), rows, 2 * inter, v, dtype)
+            }
+        }
+    }
+
     fn args<R: Runtime>(
         &self,
         rows: usize,
@@ -97,6 +112,15 @@ pub struct SwiGluForwardBuffers {
     pub out: Rows,
 }
 
+impl SwiGluForwardBuffers {
+    /// Each buffer holds what the forward reads and writes, row strides a
+    /// multiple of `v`.
+    fn check(&self, p: &SwiGluProblem, v: usize) -> Result<(), KernelError> {
+        self.input.check("input", p, v)?;
+        self.out.check("SwiGLU out", p.rows, p.inter, v, p.dtype)
+    }
+}
+
 /// Backward buffers: `grad` receives d_gate and d_up, packed or not
 /// independently of the input.
 #[derive(Clone, Debug)]
@@ -104,6 +128,16 @@ pub struct SwiGluBackwardBuffers {
     pub input: GluPair,
     pub dout: Rows,
     pub grad: GluPair,
+}
+
+impl SwiGluBackwardBuffers {
+    /// Each buffer holds what the backward reads and writes, row strides a
+    /// multiple of `v`.
+    fn check(&self, p: &SwiGluProblem, v: usize) -> Result<(), KernelError> {
+        self.input.check("input", p, v)?;
+        self.grad.check("gradient", p, v)?;
+        self.dout.check("SwiGLU dout", p.rows, p.inter, v, p.dtype)
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -230,6 +264,7 @@ pub fn forward_with<R: Runtime>(
     let Some((v, row_items)) = problem.shape().tile(client, config)? else {
         return Ok(());
     };
+    buffers.check(problem, v)?;
     let dummy = client.empty(16);
     let input = buffers
         .input
@@ -269,6 +304,7 @@ pub fn backward_with<R: Runtime>(
     let Some((v, row_items)) = problem.shape().tile(client, config)? else {
         return Ok(());
     };
+    buffers.check(problem, v)?;
     let dummy_in = client.empty(16);
     let dummy_out = client.empty(16);
     let input = buffers
@@ -321,6 +357,8 @@ pub fn forward<R: Runtime>(
     problem: &SwiGluProblem,
     buffers: &SwiGluForwardBuffers,
 ) -> Result<(), KernelError> {
+    problem.shape().validate()?;
+    buffers.check(problem, 1)?;
     let packing = Packing {
         input: buffers.input.packed(),
         grad: false,
@@ -345,6 +383,8 @@ pub fn backward<R: Runtime>(
     problem: &SwiGluProblem,
     buffers: &SwiGluBackwardBuffers,
 ) -> Result<(), KernelError> {
+    problem.shape().validate()?;
+    buffers.check(problem, 1)?;
     let packing = Packing {
         input: buffers.input.packed(),
         grad: buffers.grad.packed(),

@@ -4,6 +4,7 @@
 
 mod adamw;
 mod attention;
+mod buffers;
 mod cross_entropy;
 mod geglu;
 mod rms_norm;

@@ -77,6 +77,21 @@ impl QueryBlock {
             .collect()
     }
 
+    /// The block lies within the problem's queries and keys.
+    fn check(&self, p: &AttentionProblem) -> Result<(), KernelError> {
+        if self.rows == 0
+            || self.keys == 0
+            || self.q0 + self.rows > p.seq_q
+            || self.k_lo + self.keys > p.seq_k
+        {
+            return Err(KernelError::Shape(format!(
+                "{self:?} does not lie within {} queries and {} keys",
+                p.seq_q, p.seq_k
+            )));
+        }
+        Ok(())
+    }
+
     fn score_rows(&self, problem: &AttentionProblem) -> usize {
         problem.batch * problem.heads * self.rows
     }
@@ -333,10 +348,15 @@ pub fn block_softmax<R: Runtime>(
         b.key_lengths.as_ref(),
         b.doc_starts.as_ref(),
     )?;
+    block.check(problem)?;
     let cfg = layout(client)?;
     let p = problem;
     let total = block.score_rows(p);
     let elements = total * block.keys;
+    let size = p.dtype.size();
+    launch::check_holds("attention block scores", &b.scores, elements, 4)?;
+    launch::check_holds("attention block probabilities", &b.probs, elements, size)?;
+    launch::check_holds("attention lse", &b.lse, p.query_rows(), 4)?;
     let dummy = || client.empty(4);
     let sinks = buffers.sinks.clone().unwrap_or_else(dummy);
     let lengths = buffers.key_lengths.clone().unwrap_or_else(dummy);
@@ -377,10 +397,28 @@ pub fn block_grad<R: Runtime>(
         ..*problem
     };
     masks.check_masks(None, b.key_lengths.as_ref(), b.doc_starts.as_ref())?;
+    block.check(problem)?;
     let cfg = layout(client)?;
     let p = problem;
     let total = block.score_rows(p);
     let elements = total * block.keys;
+    let size = p.dtype.size();
+    launch::check_holds("attention block scores", &b.scores, elements, 4)?;
+    launch::check_holds(
+        "attention block probability gradients",
+        &b.dprobs,
+        elements,
+        4,
+    )?;
+    launch::check_holds("attention lse", &b.lse, p.query_rows(), 4)?;
+    launch::check_holds("attention delta", &b.delta, p.query_rows(), 4)?;
+    launch::check_holds("attention block probabilities", &b.probs, elements, size)?;
+    launch::check_holds(
+        "attention block score gradients",
+        &b.dscores,
+        elements,
+        size,
+    )?;
     let dummy = || client.empty(4);
     let lengths = buffers.key_lengths.clone().unwrap_or_else(dummy);
     let starts = buffers.doc_starts.clone().unwrap_or_else(dummy);

@@ -261,6 +261,20 @@ impl HeadLayout {
 }
 
 impl HeadLayout {
+    /// The buffer reaches the last row of a `[batch, heads, seq, d]`
+    /// tensor of `dtype` (every dimension positive: validated).
+    fn check(
+        &self,
+        what: &str,
+        [batch, heads, seq, d]: [usize; 4],
+        dtype: FloatDtype,
+    ) -> Result<(), KernelError> {
+        let [sb, sh, ss] = self.strides;
+        let extent = (batch - 1) * sb + (heads - 1) * sh + (seq - 1) * ss + d;
+        let what = format!("attention {what}");
+        launch::check_holds(&what, &self.handle, extent, dtype.size())
+    }
+
     /// Whether every row starts on a vector of `v` elements of `size`
     /// bytes: strides that are whole vectors and a buffer offset on a
     /// vector boundary.
@@ -413,6 +427,16 @@ impl AttentionProblem {
         layout.arg(self.batch, self.heads, self.seq_q, self.head_dim)
     }
 
+    /// `[batch, heads, seq_q, head_dim]`.
+    fn query_dims(&self) -> [usize; 4] {
+        [self.batch, self.heads, self.seq_q, self.head_dim]
+    }
+
+    /// `[batch, kv_heads, seq_k, head_dim]`.
+    fn key_dims(&self) -> [usize; 4] {
+        [self.batch, self.kv_heads, self.seq_k, self.head_dim]
+    }
+
     /// The document starts (`[batch, seq_k]`, a placeholder without
     /// documents) as a kernel argument.
     fn doc_starts_arg<R: Runtime>(&self, starts: &Handle) -> TensorArg<R> {
@@ -434,8 +458,15 @@ impl AttentionProblem {
 }
 
 impl AttentionForwardBuffers {
-    /// The problem's sinks, key lengths and document starts are here.
-    fn check_masks(&self, p: &AttentionProblem) -> Result<(), KernelError> {
+    /// Each buffer holds what the forward reads and writes, and the
+    /// problem's sinks, key lengths and document starts are here.
+    fn check(&self, p: &AttentionProblem) -> Result<(), KernelError> {
+        let (queries, keys) = (p.query_dims(), p.key_dims());
+        self.q.check("query", queries, p.dtype)?;
+        self.k.check("key", keys, p.dtype)?;
+        self.v.check("value", keys, p.dtype)?;
+        self.out.check("output", queries, p.dtype)?;
+        launch::check_holds("attention lse", &self.lse, p.query_rows(), 4)?;
         p.check_masks(
             self.sinks.as_ref(),
             self.key_lengths.as_ref(),
@@ -472,8 +503,40 @@ impl AttentionForwardBuffers {
 }
 
 impl AttentionBackwardBuffers {
-    /// The problem's sinks, key lengths and document starts are here.
-    fn check_masks(&self, p: &AttentionProblem) -> Result<(), KernelError> {
+    /// Each buffer holds what the backward reads and writes (only the Δ
+    /// kernel's with `delta_only`), and the problem's sinks, key lengths
+    /// and document starts are here.
+    fn check(&self, p: &AttentionProblem, delta_only: bool) -> Result<(), KernelError> {
+        let (queries, keys) = (p.query_dims(), p.key_dims());
+        self.out.check("output", queries, p.dtype)?;
+        self.dout.check("output gradient", queries, p.dtype)?;
+        let rows = p.query_rows();
+        launch::check_holds("attention lse", &self.lse, rows, 4)?;
+        launch::check_holds("attention delta", &self.delta, rows, 4)?;
+        match &self.dsink_rows {
+            Some(h) => launch::check_holds("attention sink gradient rows", h, rows, 4)?,
+            None if p.sinks => {
+                return Err(KernelError::Shape(
+                    "the attention problem has sinks but no buffer for their gradient".into(),
+                ));
+            }
+            None => {}
+        }
+        if delta_only {
+            // The Δ kernel reads only the sinks.
+            let sinks_only = AttentionProblem {
+                key_lengths: false,
+                documents: false,
+                ..*p
+            };
+            return sinks_only.check_masks(self.sinks.as_ref(), None, None);
+        }
+        self.q.check("query", queries, p.dtype)?;
+        self.k.check("key", keys, p.dtype)?;
+        self.v.check("value", keys, p.dtype)?;
+        self.dq.check("query gradient", queries, p.dtype)?;
+        self.dk.check("key gradient", keys, p.dtype)?;
+        self.dv.check("value gradient", keys, p.dtype)?;
         p.check_masks(
             self.sinks.as_ref(),
             self.key_lengths.as_ref(),
@@ -521,7 +584,7 @@ pub fn forward_with<R: Runtime>(
     config: &AttnLaunch,
 ) -> Result<(), KernelError> {
     problem.validate()?;
-    buffers.check_masks(problem)?;
+    buffers.check(problem)?;
     let t = config.check(client, problem, false)?;
     let p = problem;
     let q_blocks = p.seq_q.div_ceil(config.rows as usize);
@@ -551,7 +614,7 @@ pub fn backward_with<R: Runtime>(
     config: &AttnLaunch,
 ) -> Result<(), KernelError> {
     problem.validate()?;
-    buffers.check_masks(problem)?;
+    buffers.check(problem, false)?;
     let t = config.check(client, problem, true)?;
     let p = problem;
     let b = &buffers;
@@ -599,13 +662,7 @@ pub(crate) fn backward_delta_zeroing<R: Runtime>(
     zeroed: Option<&Handle>,
 ) -> Result<(), KernelError> {
     problem.validate()?;
-    // The delta kernel reads only the sinks.
-    let masks = AttentionProblem {
-        key_lengths: false,
-        documents: false,
-        ..*problem
-    };
-    masks.check_masks(buffers.sinks.as_ref(), None, None)?;
+    buffers.check(problem, true)?;
     // 64 rows per cube, two units per row: the tile's shape only sets the
     // cube's rows and size. Four planes per cube keep a full complement of
     // planes resident on GPUs that hold 32 cubes per multiprocessor.
@@ -789,7 +846,7 @@ pub fn forward<R: Runtime>(
     buffers: &AttentionForwardBuffers,
 ) -> Result<(), KernelError> {
     problem.validate()?;
-    buffers.check_masks(problem)?;
+    buffers.check(problem)?;
     let (id, key, list) = tuned_candidates(client, device, problem, false);
     run_tuned(
         &FORWARD_TUNER,
@@ -811,7 +868,7 @@ pub fn backward<R: Runtime>(
     buffers: &AttentionBackwardBuffers,
 ) -> Result<(), KernelError> {
     problem.validate()?;
-    buffers.check_masks(problem)?;
+    buffers.check(problem, false)?;
     let (id, key, list) = tuned_candidates(client, device, problem, true);
     run_tuned(
         &BACKWARD_TUNER,

@@ -241,7 +241,7 @@ pub fn forward_with<R: Runtime>(
 ) -> Result<(), KernelError> {
     let b = buffers;
     ready(client, problem, &b.layouts())?;
-    b.check_masks(problem)?;
+    b.check(problem)?;
     let t = config.check(client, problem, false)?;
     let p = problem;
     let q_blocks = p.seq_q.div_ceil(config.rows());
@@ -276,7 +276,7 @@ pub fn backward_with<R: Runtime>(
     let b = buffers;
     let layouts = b.layouts();
     ready(client, problem, &layouts)?;
-    b.check_masks(problem)?;
+    b.check(problem, false)?;
     let t = config.check(client, problem, true)?;
     let p = problem;
     let rows = p.query_rows();
@@ -447,7 +447,7 @@ pub fn forward<R: Runtime>(
 ) -> Result<(), KernelError> {
     let b = buffers;
     ready(client, problem, &b.layouts())?;
-    b.check_masks(problem)?;
+    b.check(problem)?;
     let (id, key, list) = tuned_candidates(client, device, problem, false);
     run_tuned(
         &FORWARD_TUNER,
@@ -470,7 +470,7 @@ pub fn backward<R: Runtime>(
 ) -> Result<(), KernelError> {
     let b = buffers;
     ready(client, problem, &b.layouts())?;
-    b.check_masks(problem)?;
+    b.check(problem, false)?;
     let (id, key, list) = tuned_candidates(client, device, problem, true);
     run_tuned(
         &BACKWARD_TUNER,
