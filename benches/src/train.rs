@@ -485,8 +485,12 @@ where
         dtype: crate::dtype_name(dtype).into(),
         implementation: imp.name().into(),
         ms_per_step: Some(secs * 1e3),
-        // Trained (non-padding) tokens over the timed steps' wall time.
-        tokens_per_s: Some(tokens as f64 / total),
+        // Full rows: the median step's; a data set's steps differ in size,
+        // so its trained (non-padding) tokens over the timed steps' time.
+        tokens_per_s: Some(match layout {
+            DataLayout::Full => (batch * seq) as f64 / secs,
+            _ => tokens as f64 / total,
+        }),
         peak_mib: Some(usage.bytes_reserved as f64 / MIB),
         in_use_mib: Some(in_use as f64 / MIB),
         first_step_s: Some(first_step),
