@@ -141,11 +141,16 @@ impl HeadStrides {
         }
     }
 
+    /// Whether every stride is a whole number of vectors of `v`.
+    fn whole_vectors(&self, v: usize) -> bool {
+        [self.batch, self.head, self.seq]
+            .iter()
+            .all(|s| s.is_multiple_of(v))
+    }
+
     fn vecs(&self, v: usize) -> Self {
         assert!(
-            self.batch.is_multiple_of(v)
-                && self.head.is_multiple_of(v)
-                && self.seq.is_multiple_of(v),
+            self.whole_vectors(v),
             "RoPE strides not a multiple of the vector width"
         );
         Self {
@@ -179,31 +184,28 @@ impl HeadTensor {
         v: usize,
     ) -> Result<(), KernelError> {
         let s = &self.strides;
-        if ![s.batch, s.head, s.seq].iter().all(|x| x.is_multiple_of(v)) {
+        if !s.whole_vectors(v) {
             return Err(KernelError::Shape(format!(
                 "RoPE {what}: strides {s:?} are not whole vectors of {v}"
             )));
         }
-        let extent = if p.batch * heads * p.seq == 0 {
+        let what = format!("RoPE {what}");
+        launch::check_holds(&what, &self.handle, self.len(p, heads), p.dtype.size())
+    }
+
+    /// The elements the launch reaches: one past the last of `heads` heads
+    /// (none for an empty tensor).
+    fn len(&self, p: &RopeProblem, heads: usize) -> usize {
+        if p.batch * heads * p.seq == 0 {
             0
         } else {
-            s.extent(p.batch, heads, p.seq, p.head_dim)
-        };
-        launch::check_holds(
-            &format!("RoPE {what}"),
-            &self.handle,
-            extent,
-            p.dtype.size(),
-        )
+            self.strides.extent(p.batch, heads, p.seq, p.head_dim)
+        }
     }
 
     fn arg<R: Runtime>(&self, problem: &RopeProblem, heads: usize) -> TensorArg<R> {
-        let len = if problem.batch * heads * problem.seq == 0 {
-            problem.head_dim
-        } else {
-            self.strides
-                .extent(problem.batch, heads, problem.seq, problem.head_dim)
-        };
+        // An empty tensor still takes an argument of one row.
+        let len = self.len(problem, heads).max(problem.head_dim);
         unsafe { TensorArg::from_raw_parts(self.handle.clone(), vec![1].into(), vec![len].into()) }
     }
 }

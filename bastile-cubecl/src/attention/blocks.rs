@@ -92,6 +92,29 @@ impl QueryBlock {
         Ok(())
     }
 
+    /// What both row kernels share: a valid problem, the block within it,
+    /// the masks it names (`(sinks, key lengths, document starts)`), the
+    /// f32 scores and the probabilities (of the dtype) of every score row
+    /// and the f32 log-sum-exp of every query row. The scores' count.
+    fn check_buffers(
+        &self,
+        p: &AttentionProblem,
+        (sinks, key_lengths, doc_starts): (Option<&Handle>, Option<&Handle>, Option<&Handle>),
+        scores: &Handle,
+        probs: &Handle,
+        lse: &Handle,
+    ) -> Result<usize, KernelError> {
+        p.validate()?;
+        p.check_masks(sinks, key_lengths, doc_starts)?;
+        self.check(p)?;
+        let elements = self.score_rows(p) * self.keys;
+        launch::check_holds("attention block scores", scores, elements, 4)?;
+        let size = p.dtype.size();
+        launch::check_holds("attention block probabilities", probs, elements, size)?;
+        launch::check_holds("attention lse", lse, p.query_rows(), 4)?;
+        Ok(elements)
+    }
+
     fn score_rows(&self, problem: &AttentionProblem) -> usize {
         problem.batch * problem.heads * self.rows
     }
@@ -341,22 +364,16 @@ pub fn block_softmax<R: Runtime>(
     block: &QueryBlock,
     buffers: &BlockSoftmaxBuffers,
 ) -> Result<(), KernelError> {
-    problem.validate()?;
     let b = buffers;
-    problem.check_masks(
+    let masks = (
         b.sinks.as_ref(),
         b.key_lengths.as_ref(),
         b.doc_starts.as_ref(),
-    )?;
-    block.check(problem)?;
+    );
+    let elements = block.check_buffers(problem, masks, &b.scores, &b.probs, &b.lse)?;
     let cfg = layout(client)?;
     let p = problem;
     let total = block.score_rows(p);
-    let elements = total * block.keys;
-    let size = p.dtype.size();
-    launch::check_holds("attention block scores", &b.scores, elements, 4)?;
-    launch::check_holds("attention block probabilities", &b.probs, elements, size)?;
-    launch::check_holds("attention lse", &b.lse, p.query_rows(), 4)?;
     let dummy = || client.empty(4);
     let sinks = buffers.sinks.clone().unwrap_or_else(dummy);
     let lengths = buffers.key_lengths.clone().unwrap_or_else(dummy);
@@ -389,35 +406,29 @@ pub fn block_grad<R: Runtime>(
     block: &QueryBlock,
     buffers: &BlockGradBuffers,
 ) -> Result<(), KernelError> {
-    problem.validate()?;
     let b = buffers;
     // This kernel reads no sinks.
-    let masks = AttentionProblem {
+    let reads = AttentionProblem {
         sinks: false,
         ..*problem
     };
-    masks.check_masks(None, b.key_lengths.as_ref(), b.doc_starts.as_ref())?;
-    block.check(problem)?;
+    let masks = (None, b.key_lengths.as_ref(), b.doc_starts.as_ref());
+    let elements = block.check_buffers(&reads, masks, &b.scores, &b.probs, &b.lse)?;
     let cfg = layout(client)?;
     let p = problem;
     let total = block.score_rows(p);
-    let elements = total * block.keys;
-    let size = p.dtype.size();
-    launch::check_holds("attention block scores", &b.scores, elements, 4)?;
     launch::check_holds(
         "attention block probability gradients",
         &b.dprobs,
         elements,
         4,
     )?;
-    launch::check_holds("attention lse", &b.lse, p.query_rows(), 4)?;
     launch::check_holds("attention delta", &b.delta, p.query_rows(), 4)?;
-    launch::check_holds("attention block probabilities", &b.probs, elements, size)?;
     launch::check_holds(
         "attention block score gradients",
         &b.dscores,
         elements,
-        size,
+        p.dtype.size(),
     )?;
     let dummy = || client.empty(4);
     let lengths = buffers.key_lengths.clone().unwrap_or_else(dummy);

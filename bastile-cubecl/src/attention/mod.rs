@@ -253,26 +253,24 @@ impl HeadLayout {
         }
     }
 
-    fn arg<R: Runtime>(&self, batch: usize, heads: usize, seq: usize, d: usize) -> TensorArg<R> {
+    /// One past the last element of a `[batch, heads, seq, d]` tensor in
+    /// this layout (every dimension positive: validated).
+    fn extent(&self, [batch, heads, seq, d]: [usize; 4]) -> usize {
         let [sb, sh, ss] = self.strides;
-        let len = (batch - 1) * sb + (heads - 1) * sh + (seq - 1) * ss + d;
-        flat_arg(&self.handle, len)
+        (batch - 1) * sb + (heads - 1) * sh + (seq - 1) * ss + d
+    }
+
+    fn arg<R: Runtime>(&self, dims: [usize; 4]) -> TensorArg<R> {
+        flat_arg(&self.handle, self.extent(dims))
     }
 }
 
 impl HeadLayout {
-    /// The buffer reaches the last row of a `[batch, heads, seq, d]`
-    /// tensor of `dtype` (every dimension positive: validated).
-    fn check(
-        &self,
-        what: &str,
-        [batch, heads, seq, d]: [usize; 4],
-        dtype: FloatDtype,
-    ) -> Result<(), KernelError> {
-        let [sb, sh, ss] = self.strides;
-        let extent = (batch - 1) * sb + (heads - 1) * sh + (seq - 1) * ss + d;
+    /// The buffer reaches the last element of a `[batch, heads, seq, d]`
+    /// tensor of `dtype`.
+    fn check(&self, what: &str, dims: [usize; 4], dtype: FloatDtype) -> Result<(), KernelError> {
         let what = format!("attention {what}");
-        launch::check_holds(&what, &self.handle, extent, dtype.size())
+        launch::check_holds(&what, &self.handle, self.extent(dims), dtype.size())
     }
 
     /// Whether every row starts on a vector of `v` elements of `size`
@@ -424,7 +422,7 @@ impl AttentionProblem {
     /// A query-side tensor (`[batch, heads, seq_q, head_dim]`) as a kernel
     /// argument.
     fn query_arg<R: Runtime>(&self, layout: &HeadLayout) -> TensorArg<R> {
-        layout.arg(self.batch, self.heads, self.seq_q, self.head_dim)
+        layout.arg(self.query_dims())
     }
 
     /// `[batch, heads, seq_q, head_dim]`.
@@ -453,7 +451,7 @@ impl AttentionProblem {
     /// A key-side tensor (`[batch, kv_heads, seq_k, head_dim]`) as a kernel
     /// argument.
     fn key_arg<R: Runtime>(&self, layout: &HeadLayout) -> TensorArg<R> {
-        layout.arg(self.batch, self.kv_heads, self.seq_k, self.head_dim)
+        layout.arg(self.key_dims())
     }
 }
 
