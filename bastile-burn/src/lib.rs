@@ -66,6 +66,7 @@ pub use ops::cross_entropy::{
 };
 pub use ops::geglu::geglu_oss;
 pub use ops::linear_cross_entropy::{LinearGrads, linear_cross_entropy};
+pub use ops::lora::lora_update;
 pub use ops::rms_norm::rms_norm;
 pub use ops::rope::{RopeLayout, RopeOptions, RopePairing, RopeTables, rope, rope_one};
 pub use ops::swiglu::{GluTensors, swiglu, swiglu_packed};

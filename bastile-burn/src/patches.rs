@@ -18,11 +18,13 @@ pub enum Op {
     Matmul,
     /// Flash-style attention (forward and backward).
     Attention,
+    /// A LoRA adapter's update as one autodiff node.
+    Lora,
 }
 
 impl Op {
     /// Every switchable op.
-    pub const ALL: [Op; 8] = [
+    pub const ALL: [Op; 9] = [
         Op::RmsNorm,
         Op::SwiGlu,
         Op::Geglu,
@@ -31,6 +33,7 @@ impl Op {
         Op::LinearCrossEntropy,
         Op::Matmul,
         Op::Attention,
+        Op::Lora,
     ];
 
     fn bit(self) -> u32 {
@@ -48,6 +51,7 @@ impl Op {
             Op::LinearCrossEntropy => "linear_cross_entropy",
             Op::Matmul => "matmul",
             Op::Attention => "attention",
+            Op::Lora => "lora",
         }
     }
 }
@@ -75,6 +79,8 @@ pub struct Patches {
     pub matmul: bool,
     /// Attention that never materializes the `[seq, seq]` scores.
     pub attention: bool,
+    /// LoRA updates as one autodiff node each.
+    pub lora: bool,
 }
 
 impl Default for Patches {
@@ -99,6 +105,7 @@ impl Patches {
             linear_cross_entropy: on,
             matmul: on,
             attention: on,
+            lora: on,
         }
     }
 
@@ -112,6 +119,7 @@ impl Patches {
             (self.linear_cross_entropy, Op::LinearCrossEntropy),
             (self.matmul, Op::Matmul),
             (self.attention, Op::Attention),
+            (self.lora, Op::Lora),
         ]
         .into_iter()
         .filter(|(on, _)| *on)

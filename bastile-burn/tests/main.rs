@@ -9,6 +9,7 @@ mod checkpointing;
 mod cross_entropy;
 mod drop_in;
 mod geglu;
+mod lora;
 mod matmul;
 mod model_step;
 mod patches;

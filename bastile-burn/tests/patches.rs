@@ -71,6 +71,11 @@ fn switchboard_checks() {
         ..Patches::none()
     });
     assert_eq!(patched_ops(), vec![Op::Attention]);
+    apply(Patches {
+        lora: true,
+        ..Patches::none()
+    });
+    assert_eq!(patched_ops(), vec![Op::Lora]);
     apply(Patches::none());
     assert!(patched_ops().is_empty());
     let names: Vec<String> = Op::ALL.iter().map(|op| op.to_string()).collect();
@@ -84,7 +89,8 @@ fn switchboard_checks() {
             "cross_entropy",
             "linear_cross_entropy",
             "matmul",
-            "attention"
+            "attention",
+            "lora"
         ]
     );
     apply(Patches {

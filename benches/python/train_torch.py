@@ -5,6 +5,11 @@ attention HF picks by default for the model, SDPA for Qwen3 and Llama;
 same configuration as `bastile-bench --model <preset>`: random weights in
 bf16, one micro-batch of random tokens per step, labels = ids. `--attn
 eager` forces HF's eager attention instead, as earlier results used.
+`--lora R` trains PEFT LoRA adapters of rank R (alpha 2R, no dropout) on
+every linear projection (q, k, v, o, gate, up, down) of the frozen model,
+as a PEFT user with HF Trainer's `bf16=True` runs it: the adapters in f32
+(PEFT's default), the forward pass under bf16 autocast, AdamW and the
+clip over the adapters only.
 
 Each row reports the median step time, the first step's time (compilation
 included), the peak bytes in use during the timed steps
@@ -71,15 +76,19 @@ LIGER = {"qwen3": "apply_liger_kernel_to_qwen3", "llama": "apply_liger_kernel_to
          "gpt_oss": "apply_liger_kernel_to_gpt_oss"}
 
 
-def name(impl, attn):
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def name(impl, attn, lora=None):
     """The row's implementation, naming HF's attention where it was forced
     (every row records the attention that ran under "attention")."""
     base = {"hf": "HF transformers", "liger": "HF + Liger-Kernel",
             "compile": "HF + torch.compile"}[impl]
-    return base + (f" ({attn})" if attn else "")
+    base += f" ({attn})" if attn else ""
+    return base + (f" + PEFT, LoRA r{lora}" if lora else "")
 
 
-def one(model_name, impl, batch, seq, steps, attn):
+def one(model_name, impl, batch, seq, steps, attn, lora=None):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -95,8 +104,18 @@ def one(model_name, impl, batch, seq, steps, attn):
     model = AutoModelForCausalLM.from_config(
         config, torch_dtype=torch.bfloat16, attn_implementation=attn
     ).cuda()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(
+            r=lora, lora_alpha=2 * lora, lora_dropout=0.0, target_modules=LORA_TARGETS,
+            task_type="CAUSAL_LM"))
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
+    # HF Trainer's bf16=True: autocast (PEFT's f32 adapters then multiply
+    # in bf16, as Bastile's do); a full finetune of bf16 weights needs none.
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=bool(lora))
     # torch.compile as a user applies it: the model's forward compiled
     # (the backward through AOTAutograd), the optimizer step as it is.
     forward = torch.compile(model) if impl == "compile" else model
@@ -106,9 +125,10 @@ def one(model_name, impl, batch, seq, steps, attn):
     for i in range(2 + steps):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        loss = forward(input_ids=ids, labels=ids).loss
+        with autocast:
+            loss = forward(input_ids=ids, labels=ids).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss_value = loss.item()
@@ -128,7 +148,7 @@ def one(model_name, impl, batch, seq, steps, attn):
         "batch": batch,
         "seq": seq,
         "dtype": "bf16",
-        "implementation": name(impl, attn),
+        "implementation": name(impl, attn, lora),
         "attention": model.config._attn_implementation,
         "ms_per_step": ms,
         "tokens_per_s": batch * seq / (ms / 1e3),
@@ -151,11 +171,12 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--attn", choices=["eager", "sdpa"],
                    help="force this attention (default: HF's default for the model)")
+    p.add_argument("--lora", type=int, help="train PEFT LoRA adapters of this rank")
     p.add_argument("--out")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        print(json.dumps(one(a.model, a.impl[0], a.batch[0], a.seq[0], a.steps, a.attn)))
+        print(json.dumps(one(a.model, a.impl[0], a.batch[0], a.seq[0], a.steps, a.attn, a.lora)))
         return
     rows = []
     for batch in a.batch:
@@ -167,6 +188,7 @@ def main():
                 cmd = [sys.executable, __file__, "--child", "--model", a.model, "--impl", impl,
                        "--batch", str(batch), "--seq", str(seq), "--steps", str(a.steps)]
                 cmd += ["--attn", a.attn] if a.attn else []
+                cmd += ["--lora", str(a.lora)] if a.lora else []
                 r = subprocess.run(cmd, capture_output=True, text=True)
                 sys.stderr.write(r.stderr[-2000:])
                 line = next((l for l in r.stdout.splitlines() if l.startswith("{")), None)
@@ -176,7 +198,7 @@ def main():
                     oom = "out of memory" in r.stderr.lower()
                     last = (r.stderr.strip().splitlines() or ["no output"])[-1]
                     row = {"model": a.model, "batch": batch, "seq": seq, "dtype": "bf16",
-                           "implementation": name(impl, a.attn), "ms_per_step": None,
+                           "implementation": name(impl, a.attn, a.lora), "ms_per_step": None,
                            "tokens_per_s": None, "peak_mib": None, "in_use_mib": None,
                            "error": "out of memory" if oom else last}
                     failed.add(impl)

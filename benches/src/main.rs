@@ -150,6 +150,11 @@ pub struct Args {
     /// tokens, reported in trained tokens per second).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "full")]
     pub layout: Vec<packing::DataLayout>,
+    /// Training: train LoRA adapters of rank R (alpha 2R) on every
+    /// linear projection of the frozen model instead of every weight (PEFT
+    /// on the PyTorch side).
+    #[arg(long, value_name = "R")]
+    pub lora: Option<usize>,
     /// Training: timed steps (after two warm-up steps).
     #[arg(long, default_value_t = 5)]
     pub steps: usize,

@@ -51,6 +51,9 @@ pub fn compare(args: &Args, report: &mut Report) {
         script_args.push("--seq".into());
         script_args.extend(seqs.iter().map(|s| s.to_string()));
         script_args.extend(["--steps".into(), args.steps.to_string()]);
+        if let Some(rank) = args.lora {
+            script_args.extend(["--lora".into(), rank.to_string()]);
+        }
         let task = format!("PyTorch: train {model} batch {batch}");
         run_into(
             args,

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bastile::{Bastile, BastileBackend, Patches};
-use bastile_models::{CausalLm, MicroBatch, TrainConfig, Trainer, presets};
+use bastile_models::{CausalLm, LoraConfig, MicroBatch, TrainConfig, Trainer, presets};
 use burn::backend::Autodiff;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Distribution, Int, Tensor};
@@ -146,6 +146,9 @@ pub fn sweep(args: &Args, models: &[String], report: &mut Report) {
                     if layout != DataLayout::Full {
                         name = format!("{name}, {}", layout.name());
                     }
+                    if let Some(rank) = args.lora {
+                        name = format!("{name}, LoRA r{rank}");
+                    }
                     let task = format!("train {model} batch {batch} seq {seq} {dtype}: {name}");
                     progress::task(&task);
                     let mut row = child(&exe, args, &task, model, (batch, seq), imp, layout);
@@ -203,6 +206,10 @@ fn child(
         .get_name()
         .to_string();
     let imp_name = imp.to_possible_value().expect("impl names");
+    let lora: Vec<String> = args
+        .lora
+        .map(|r| vec!["--lora".into(), r.to_string()])
+        .unwrap_or_default();
     let spawned = Command::new(exe)
         .args(["--runtime", &runtime, "--model", model, "--impl"])
         .arg(imp_name.get_name())
@@ -211,6 +218,7 @@ fn child(
         .args(["--attention", attention_name(args)])
         .args(["--dtype", args.dtype_name()])
         .args(["--layout", layout.name()])
+        .args(&lora)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn();
@@ -326,6 +334,7 @@ where
         dtype: args.dtype(),
         steps: args.steps,
         layout: args.layout.first().copied().unwrap_or(DataLayout::Full),
+        lora: args.lora,
     };
     let row = match imp {
         TrainImpl::Burn => measure::<R, Autodiff<B>>(device, &run),
@@ -356,6 +365,8 @@ struct Run<'a> {
     dtype: DType,
     steps: usize,
     layout: DataLayout,
+    /// LoRA rank: adapters on every projection of the frozen model.
+    lora: Option<usize>,
 }
 
 fn measure<R, A>(device: &A::Device, run: &Run) -> Result<TrainRow, String>
@@ -372,11 +383,16 @@ where
         dtype,
         steps,
         layout,
+        lora,
     } = run;
     let config = presets::preset(model).map_err(|e| e.to_string())?;
     let started = Instant::now();
     let mut lm = CausalLm::<A>::init(&config, device)
         .and_then(|m| m.with_dtype(dtype))
+        .and_then(|m| match lora {
+            Some(rank) => m.with_lora(LoraConfig::new(rank).with_alpha(2.0 * rank as f64), device),
+            None => Ok(m),
+        })
         .map_err(|e| e.to_string())?;
     let vocab = lm.config.vocab_size;
     let timed_steps = steps.max(1);

@@ -54,6 +54,9 @@ pub struct RunSettings {
     pub packed_length: Option<usize>,
     /// The parameter dtype, as Burn names it.
     pub dtype: String,
+    /// The run's LoRA options (`--lora-*`); `None` without them.
+    #[serde(default)]
+    pub lora: Option<String>,
     /// Examples in the tokenized data set.
     pub examples: usize,
     /// [`fingerprint`] of the tokenized data set.
@@ -104,6 +107,8 @@ impl RunState {
         };
         d.compare("packing", packing(now), packing(then));
         d.compare("--dtype", &now.dtype, &then.dtype);
+        let lora = |s: &RunSettings| s.lora.clone().unwrap_or_else(|| "off".into());
+        d.compare("LoRA", lora(now), lora(then));
         let data =
             |s: &RunSettings| format!("{} examples, fingerprint {:016x}", s.examples, s.data);
         d.compare("the tokenized data set:", data(now), data(then));

@@ -8,9 +8,11 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use bastile::BastileBackend;
-use bastile_models::{CausalLm, MicroBatch, ModelError, OptimizerKind, TrainConfig, Trainer};
+use bastile_models::{
+    CausalLm, LoraConfig, MicroBatch, ModelError, OptimizerKind, TrainConfig, Trainer,
+};
 use burn::module::Module;
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::batches::{Batcher, Sampler, packed_rows};
@@ -19,7 +21,7 @@ use crate::checkpoint::{RunSettings, RunState, fingerprint, prune, write_dir_ato
 use crate::data;
 use crate::device::{DeviceKind, RunInfo, Task, dispatch};
 use crate::eval::hold_out;
-use crate::source::{ModelSource, RECORD, recorder};
+use crate::source::{ModelSource, RECORD, is_adapter_dir, recorder};
 use crate::{CliError, DTypeArg};
 
 /// Everything `finetune` is told (the command line's options).
@@ -77,6 +79,13 @@ pub struct FinetuneOptions {
     /// Draw a progress bar (else a line every `log_every` steps).
     pub progress: bool,
     pub log_every: usize,
+    /// Train LoRA adapters on the frozen model instead of every weight
+    /// (the base model is recorded as `model`). A `model` that is already
+    /// an adapter directory trains its adapters without this.
+    pub lora: Option<LoraConfig>,
+    /// With adapters, also write `final-merged/`: the adapters folded into
+    /// the weights, as an HF checkpoint.
+    pub merge_lora: bool,
 }
 
 /// What a finetuning run did.
@@ -90,8 +99,11 @@ pub struct FinetuneReport {
     pub seconds: f64,
     /// The checkpoints this process wrote that are still there.
     pub checkpoints: Vec<PathBuf>,
-    /// The HF export of the final model.
+    /// The HF export of the final model (with LoRA: its adapters, in
+    /// PEFT's format).
     pub final_dir: PathBuf,
+    /// With LoRA and `merge_lora`: the merged model's HF export.
+    pub merged_dir: Option<PathBuf>,
     pub truncated: usize,
     pub dropped: usize,
     /// Batches skipped for a loss or gradient that was not finite.
@@ -192,7 +204,24 @@ impl Task for Finetune {
             (None, None) => Vec::new(),
         };
         let dtype = o.dtype.resolve(&info)?;
-        let mut model = model.with_dtype(dtype)?;
+        let model = model.with_dtype(dtype)?;
+        let mut model = match (&o.lora, model.lora_config()) {
+            (Some(config), None) => {
+                let base = source.name();
+                model.with_lora(config.clone().with_base_model(Some(base)), &device)?
+            }
+            // A resumed run's adapters come from its checkpoint; the
+            // settings check below holds them to the options.
+            (Some(_), Some(_)) if resumed.is_some() => model,
+            (Some(_), Some(_)) => {
+                return Err(CliError::Usage(format!(
+                    "{} is a LoRA adapter directory: its adapters train without --lora-rank \
+                     (or pass its base model to train new ones)",
+                    o.model
+                )));
+            }
+            (None, _) => model,
+        };
         let per_step = o.batch_size * o.grad_accum;
         let multiple = o.pad_to_multiple.unwrap_or(info.pad_multiple());
         // Packed rows hold the longest example (rounded up to the padding
@@ -237,6 +266,7 @@ impl Task for Finetune {
             pad_multiple: multiple,
             packed_length: o.packing.then_some(row_len),
             dtype: format!("{dtype:?}"),
+            lora: o.lora.as_ref().map(lora_setting),
             examples: set.examples.len(),
             data: fingerprint(&set.examples),
         };
@@ -248,6 +278,7 @@ impl Task for Finetune {
             seconds: 0.0,
             checkpoints: Vec::new(),
             final_dir: o.output.join("final"),
+            merged_dir: None,
             truncated: set.truncated,
             dropped: set.dropped,
             skipped: 0,
@@ -281,6 +312,18 @@ impl Task for Finetune {
             );
         }
         let done = trainer.steps();
+        let trained = match model.lora_config() {
+            Some(c) => format!(
+                ", LoRA rank {} on {} (base frozen)",
+                c.rank,
+                c.targets
+                    .iter()
+                    .map(|t| t.hf_name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            None => String::new(),
+        };
         let rows = if o.packing {
             format!("rows of {row_len} tokens, each packing whole examples")
         } else {
@@ -288,7 +331,7 @@ impl Task for Finetune {
         };
         eprintln!(
             "finetuning {} ({} layers, hidden {}) on {}: {} examples, {steps} steps of \
-             {} x {} {rows}, {dtype:?}, {format:?} chat format",
+             {} x {} {rows}, {dtype:?}, {format:?} chat format{trained}",
             o.model,
             model.config.layers,
             model.config.hidden_size,
@@ -439,9 +482,17 @@ impl Task for Finetune {
         bar.finish();
         report.seconds = earlier_seconds + start.elapsed().as_secs_f64();
         write_dir_atomically(&report.final_dir, |d| {
-            model.save_hf_dir(d)?;
+            save_model(&model, d)?;
             tokenizer.save_beside(tokenizer_dir, d)
         })?;
+        if o.merge_lora && model.lora_config().is_some() {
+            let dir = o.output.join("final-merged");
+            write_dir_atomically(&dir, |d| {
+                model.clone().merge_lora().save_hf_dir(d)?;
+                tokenizer.save_beside(tokenizer_dir, d)
+            })?;
+            report.merged_dir = Some(dir);
+        }
         let first = report.losses.first().copied().unwrap_or(f64::NAN);
         let last = report.losses.last().copied().unwrap_or(f64::NAN);
         eprintln!(
@@ -471,6 +522,11 @@ fn check_options(o: &FinetuneOptions) -> Result<(), CliError> {
     if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
         return Err(CliError::Usage(format!("{name} must be at least 1")));
     }
+    if o.merge_lora && o.lora.is_none() && o.resume.is_none() && !is_adapter_dir(&o.model) {
+        return Err(CliError::Usage(
+            "--merge-lora merges LoRA adapters: train some with --lora-rank".into(),
+        ));
+    }
     if o.max_seq == Some(1) {
         return Err(CliError::Usage(
             "--max-seq must be at least 2 (a token and the one it predicts)".into(),
@@ -488,8 +544,11 @@ fn prepare_output(dir: &Path) -> Result<(), CliError> {
     std::fs::remove_file(&probe).map_err(|e| CliError::io(&probe, e))
 }
 
-/// A checkpoint: `config.json`, the Burn record and the tokenizer, which
-/// `finetune --model` and `generate --model` load again.
+/// A checkpoint: `config.json`, the model and the tokenizer, which
+/// `finetune --model` and `generate --model` load again. The model is the
+/// Burn record, or with LoRA only the adapters, in PEFT's format (their
+/// parameter ids follow from their place, so the optimizer state applies
+/// to them again).
 fn save_checkpoint<B: AutodiffBackend>(
     model: &CausalLm<B>,
     tokenizer: &crate::tokenizer::Tokenizer,
@@ -497,11 +556,40 @@ fn save_checkpoint<B: AutodiffBackend>(
     dir: &Path,
 ) -> Result<(), CliError> {
     model.save_config(dir)?;
-    model
-        .clone()
-        .save_file(dir.join(RECORD), &recorder())
-        .map_err(|e| CliError::io(dir.join(RECORD), e))?;
+    if model.lora_config().is_some() {
+        model.save_adapter_dir(dir)?;
+    } else {
+        model
+            .clone()
+            .save_file(dir.join(RECORD), &recorder())
+            .map_err(|e| CliError::io(dir.join(RECORD), e))?;
+    }
     tokenizer.save_beside(source, dir)
+}
+
+/// The final model: an HF checkpoint, or with LoRA `config.json` and the
+/// adapters in PEFT's format.
+fn save_model<B: Backend>(model: &CausalLm<B>, dir: &Path) -> Result<(), CliError> {
+    if model.lora_config().is_some() {
+        model.save_config(dir)?;
+        Ok(model.save_adapter_dir(dir)?)
+    } else {
+        Ok(model.save_hf_dir(dir)?)
+    }
+}
+
+/// What a resumed run's LoRA options must equal: rank, alpha, dropout,
+/// rsLoRA and targets.
+fn lora_setting(c: &LoraConfig) -> String {
+    let targets: Vec<_> = c.targets.iter().map(|t| t.hf_name()).collect();
+    format!(
+        "rank {}, alpha {}, dropout {}, rslora {}, targets {}",
+        c.rank,
+        c.alpha,
+        c.dropout,
+        c.rslora,
+        targets.join(",")
+    )
 }
 
 fn progress_bar(steps: u64, visible: bool) -> ProgressBar {

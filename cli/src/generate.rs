@@ -33,6 +33,8 @@ pub struct GenerateOptions {
     pub top_p: f64,
     pub seed: u64,
     pub dtype: DTypeArg,
+    /// A LoRA adapter directory added to every model.
+    pub adapter: Option<PathBuf>,
 }
 
 /// One model's reply to one prompt.
@@ -83,8 +85,11 @@ impl Task for Generate {
             let source = ModelSource::parse(name)?;
             let tokenizer = source.tokenizer(o.tokenizer.as_deref())?;
             // Inference needs no gradients: the inner backend runs it.
-            let model: CausalLm<B::InnerBackend> =
+            let mut model: CausalLm<B::InnerBackend> =
                 source.load::<B>(&device)?.valid().with_dtype(dtype)?;
+            if let Some(dir) = &o.adapter {
+                model = model.load_adapter_dir(dir, None, &device)?;
+            }
             tokenizer.check_fits(model.config.vocab_size)?;
             let format = o
                 .chat_format

@@ -9,7 +9,8 @@ use bastile_cli::device::DeviceKind;
 use bastile_cli::finetune::{self, FinetuneOptions};
 use bastile_cli::generate::{self, GenerateOptions};
 use bastile_cli::{CliError, DTypeArg};
-use bastile_models::OptimizerKind;
+use bastile_models::lora::parse_targets;
+use bastile_models::{LoraConfig, OptimizerKind};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Parser)]
@@ -141,6 +142,8 @@ enum Command {
         #[arg(long, default_value_t = 10)]
         log_every: usize,
         #[command(flatten)]
+        lora: LoraArgs,
+        #[command(flatten)]
         common: Common,
     },
     /// Reply to prompts with one or more models, side by side.
@@ -159,9 +162,62 @@ enum Command {
         /// Nucleus sampling mass (with temperature > 0).
         #[arg(long, default_value_t = 0.9)]
         top_p: f64,
+        /// A LoRA adapter directory (PEFT's format) to add to every model.
+        /// A model directory that is itself an adapter directory loads its
+        /// base model (`base_model_name_or_path`) without this.
+        #[arg(long, value_name = "DIR")]
+        adapter: Option<PathBuf>,
         #[command(flatten)]
         common: Common,
     },
+}
+
+/// LoRA options of `finetune`.
+#[derive(Args, Clone)]
+struct LoraArgs {
+    /// Train LoRA adapters of this rank on the frozen model instead of
+    /// every weight; checkpoints and final/ then hold the adapters in
+    /// PEFT's format.
+    #[arg(long, value_name = "R")]
+    lora_rank: Option<usize>,
+    /// LoRA alpha: the update is scaled by alpha / rank (default: the
+    /// rank, a scale of 1).
+    #[arg(long, value_name = "A", requires = "lora_rank")]
+    lora_alpha: Option<f64>,
+    /// Dropout on the adapters' input while training.
+    #[arg(long, value_name = "P", default_value_t = 0.0, requires = "lora_rank")]
+    lora_dropout: f64,
+    /// The projections that get adapters: q,k,v,o,gate,up,down (or
+    /// `all`, every one the model has).
+    #[arg(
+        long,
+        value_name = "LIST",
+        default_value = "all",
+        requires = "lora_rank"
+    )]
+    lora_targets: String,
+    /// rsLoRA: scale the update by alpha / sqrt(rank).
+    #[arg(long, requires = "lora_rank")]
+    rslora: bool,
+    /// Also write final-merged/: the adapters folded into the weights, an
+    /// HF checkpoint.
+    #[arg(long)]
+    merge_lora: bool,
+}
+
+impl LoraArgs {
+    fn config(&self) -> Result<Option<LoraConfig>, CliError> {
+        let Some(rank) = self.lora_rank else {
+            return Ok(None);
+        };
+        Ok(Some(
+            LoraConfig::new(rank)
+                .with_alpha(self.lora_alpha.unwrap_or(rank as f64))
+                .with_dropout(self.lora_dropout)
+                .with_rslora(self.rslora)
+                .with_targets(parse_targets(&self.lora_targets)?),
+        ))
+    }
 }
 
 /// `--optimizer`.
@@ -213,6 +269,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             eval_fraction,
             eval_every,
             log_every,
+            lora,
             common,
         } => {
             let options = FinetuneOptions {
@@ -248,6 +305,8 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 seed: common.seed,
                 progress: std::io::stderr().is_terminal(),
                 log_every,
+                lora: lora.config()?,
+                merge_lora: lora.merge_lora,
             };
             finetune::run(common.device, !common.no_bastile, options)?;
         }
@@ -257,6 +316,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             max_new_tokens,
             temperature,
             top_p,
+            adapter,
             common,
         } => {
             // Each prompt once (a repeated one is asked once), in the order
@@ -277,6 +337,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 top_p,
                 seed: common.seed,
                 dtype: common.dtype,
+                adapter,
             };
             let replies = generate::run(common.device, !common.no_bastile, options)?;
             for p in &prompts {

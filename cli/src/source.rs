@@ -1,6 +1,8 @@
 //! Where a model comes from: a named preset (random weights), a Hugging
-//! Face checkpoint directory, or a checkpoint this command wrote (Burn
-//! record + `config.json`); and the tokenizer that goes with it.
+//! Face checkpoint directory, a checkpoint this command wrote (Burn
+//! record + `config.json`), or a LoRA adapter directory in PEFT's format
+//! (its base model named by `base_model_name_or_path`); and the tokenizer
+//! that goes with it.
 
 use std::path::{Path, PathBuf};
 
@@ -44,12 +46,25 @@ impl ModelSource {
         }
     }
 
+    /// How a LoRA adapter names this model as its base: the preset name,
+    /// or the directory's absolute path.
+    pub fn name(&self) -> String {
+        match self {
+            Self::Preset(p) => p.clone(),
+            Self::Dir(d) => std::fs::canonicalize(d)
+                .unwrap_or_else(|_| d.clone())
+                .display()
+                .to_string(),
+        }
+    }
+
     pub fn is_tiny(&self) -> bool {
         matches!(self, Self::Preset(p) if p == presets::TINY)
     }
 
     /// The model: a preset initialized at random (seed the backend
-    /// first for reproducible runs), an HF checkpoint, or a Burn record.
+    /// first for reproducible runs), an HF checkpoint, a Burn record, or
+    /// an adapter directory's base model with its adapters.
     pub fn load<B: Backend>(&self, device: &B::Device) -> Result<CausalLm<B>, CliError> {
         match self {
             Self::Preset(name) => Ok(CausalLm::init(&presets::preset(name)?, device)?),
@@ -59,6 +74,9 @@ impl ModelSource {
                     || dir.join("model.safetensors.index.json").is_file()
                 {
                     Ok(CausalLm::from_hf_dir(dir, device)?)
+                } else if dir.join(ADAPTER_CONFIG).is_file() {
+                    let base = adapter_base(dir)?.load::<B>(device)?;
+                    Ok(base.load_adapter_dir(dir, None, device)?)
                 } else if record.is_file() {
                     let config = HfConfig::from_file(&dir.join("config.json"))?;
                     CausalLm::init(&config, device)?
@@ -67,7 +85,8 @@ impl ModelSource {
                 } else {
                     Err(CliError::io(
                         dir,
-                        "no model.safetensors, model.safetensors.index.json or model.mpk here",
+                        "no model.safetensors, model.safetensors.index.json, model.mpk or \
+                         adapter_config.json here",
                     ))
                 }
             }
@@ -81,6 +100,12 @@ impl ModelSource {
             return Tokenizer::from_file(path);
         }
         match self {
+            // An adapter directory without a tokenizer uses its base's.
+            Self::Dir(dir) if dir.join(ADAPTER_CONFIG).is_file() => match Tokenizer::from_dir(dir)?
+            {
+                Some(t) => Ok(t),
+                None => adapter_base(dir)?.tokenizer(None),
+            },
             Self::Dir(dir) => Tokenizer::from_dir(dir)?.ok_or_else(|| {
                 CliError::Tokenizer(format!(
                     "{} has no tokenizer.json: pass --tokenizer",
@@ -94,6 +119,40 @@ impl ModelSource {
             ))),
         }
     }
+}
+
+/// The PEFT config file of a LoRA adapter directory.
+const ADAPTER_CONFIG: &str = "adapter_config.json";
+
+/// Whether `name` is a LoRA adapter directory.
+pub fn is_adapter_dir(name: &str) -> bool {
+    Path::new(name).join(ADAPTER_CONFIG).is_file()
+}
+
+/// The base model an adapter directory names (`base_model_name_or_path`).
+fn adapter_base(dir: &Path) -> Result<ModelSource, CliError> {
+    let path = dir.join(ADAPTER_CONFIG);
+    let text = std::fs::read_to_string(&path).map_err(|e| CliError::io(&path, e))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| CliError::io(&path, format!("invalid: {e}")))?;
+    let base = json
+        .get("base_model_name_or_path")
+        .and_then(|v| v.as_str())
+        .ok_or_else(|| {
+            CliError::io(
+                &path,
+                "names no base model (base_model_name_or_path): pass --model BASE --adapter DIR",
+            )
+        })?;
+    ModelSource::parse(base).map_err(|e| {
+        CliError::io(
+            &path,
+            format!(
+                "its base model: {e}; pass the base model's directory with --model BASE \
+                 --adapter DIR"
+            ),
+        )
+    })
 }
 
 /// The recorder of checkpoints (f32 values, named fields).

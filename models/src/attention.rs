@@ -14,6 +14,7 @@ use burn::tensor::{Int, Tensor};
 
 use crate::ModelError;
 use crate::config::ModelConfig;
+use crate::lora::{AttentionAdapters, LoraAdapter, project};
 
 /// HF names: `q_proj`, `k_proj`, `v_proj`, `o_proj`, `q_norm`, `k_norm`,
 /// `sinks`.
@@ -74,18 +75,25 @@ impl<B: BastileBackend> Attention<B> {
     /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`, with RoPE from
     /// `tables`. With `positions` (`[batch, seq]`, each token's place in
     /// its document), rows pack several documents and each token attends
-    /// only to its own document.
+    /// only to its own document. `adapters` add their LoRA updates to the
+    /// projections.
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
         tables: &RopeTables<B>,
         positions: Option<&Tensor<B, 2, Int>>,
+        adapters: Option<&AttentionAdapters<B>>,
     ) -> Result<Tensor<B, 3>, ModelError> {
         let [b, s, _] = x.dims();
         let (nh, nkv, d) = (self.heads, self.kv_heads, self.head_dim);
-        let mut q = self.q_proj.forward(x.clone()).reshape([b, s, nh, d]);
-        let mut k = self.k_proj.forward(x.clone()).reshape([b, s, nkv, d]);
-        let v = self.v_proj.forward(x).reshape([b, s, nkv, d]);
+        let adapter = |pick: fn(&AttentionAdapters<B>) -> &Option<LoraAdapter<B>>| {
+            adapters.and_then(|a| pick(a).as_ref())
+        };
+        let mut q =
+            project(&self.q_proj, adapter(|a| &a.q_proj), x.clone())?.reshape([b, s, nh, d]);
+        let mut k =
+            project(&self.k_proj, adapter(|a| &a.k_proj), x.clone())?.reshape([b, s, nkv, d]);
+        let v = project(&self.v_proj, adapter(|a| &a.v_proj), x)?.reshape([b, s, nkv, d]);
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             q = qn.try_forward(q)?;
             k = kn.try_forward(k)?;
@@ -111,8 +119,10 @@ impl<B: BastileBackend> Attention<B> {
             positions.cloned(),
             options,
         )?;
-        Ok(self
-            .o_proj
-            .forward(out.swap_dims(1, 2).reshape([b, s, nh * d])))
+        project(
+            &self.o_proj,
+            adapter(|a| &a.o_proj),
+            out.swap_dims(1, 2).reshape([b, s, nh * d]),
+        )
     }
 }

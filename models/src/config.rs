@@ -132,11 +132,7 @@ pub struct ModelConfig {
 impl HfConfig {
     /// Reads and parses `config.json`.
     pub fn from_file(path: &Path) -> Result<Self, ModelError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
-        serde_json::from_str(&text).map_err(|e| ModelError::Json {
-            path: path.into(),
-            message: e.to_string(),
-        })
+        crate::error::read_json(path)
     }
 
     /// The architecture named by `model_type`.

@@ -39,6 +39,18 @@ pub enum ModelError {
     Bastile(#[from] bastile::BastileError),
 }
 
+/// The JSON file at `path`, parsed; an unreadable or invalid file is an
+/// error naming it.
+pub(crate) fn read_json<T: serde::de::DeserializeOwned>(
+    path: &std::path::Path,
+) -> Result<T, ModelError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| ModelError::Json {
+        path: path.into(),
+        message: e.to_string(),
+    })
+}
+
 impl ModelError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Self::Io {

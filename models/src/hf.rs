@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::Backend;
 use burn_store::{
-    ApplyError, BurnToPyTorchAdapter, ModuleSnapshot, PyTorchToBurnAdapter, SafetensorsStore,
+    ApplyError, ApplyResult, BurnToPyTorchAdapter, ModuleSnapshot, PyTorchToBurnAdapter,
+    SafetensorsStore,
 };
 use serde_json::Value;
 
@@ -35,11 +36,7 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
             ),
         ));
     }
-    let text = std::fs::read_to_string(&index).map_err(|e| ModelError::io(&index, e))?;
-    let json: Value = serde_json::from_str(&text).map_err(|e| ModelError::Json {
-        path: index.clone(),
-        message: e.to_string(),
-    })?;
+    let json: Value = crate::error::read_json(&index)?;
     let map = json
         .get("weight_map")
         .and_then(Value::as_object)
@@ -78,7 +75,7 @@ fn reader(file: &Path) -> SafetensorsStore {
 
 /// Checks the safetensors header before handing the file to burn-store, so
 /// a corrupt or truncated file is an error naming the file.
-fn check_header(file: &Path) -> Result<(), ModelError> {
+pub(crate) fn check_header(file: &Path) -> Result<(), ModelError> {
     use std::io::Read;
     let bad = |message: String| ModelError::Safetensors {
         path: file.into(),
@@ -103,6 +100,64 @@ fn check_header(file: &Path) -> Result<(), ModelError> {
     Ok(())
 }
 
+/// Applies the tensors of `store`, which reads the safetensors file
+/// `file`, to `model`; a file that cannot be read is an error naming it.
+pub(crate) fn load_file_into<B: Backend>(
+    model: &mut CausalLm<B>,
+    store: &mut SafetensorsStore,
+    file: &Path,
+) -> Result<ApplyResult, ModelError> {
+    model.load_from(store).map_err(|e| ModelError::Safetensors {
+        path: file.into(),
+        message: e.to_string(),
+    })
+}
+
+/// The problems of applying a checkpoint's tensors to a model (shape
+/// mismatches, missing and unexpected tensors), all in one error naming
+/// the checkpoint directory; `name` turns a module path into the name the
+/// checkpoint's format gives it.
+pub(crate) fn report_problems(
+    errors: &[ApplyError],
+    missing: &[String],
+    unused: &[String],
+    dir: &Path,
+    name: fn(&str) -> String,
+) -> Result<(), ModelError> {
+    let names = |paths: &[String]| paths.iter().map(|p| name(p)).collect::<Vec<_>>().join(", ");
+    let mut problems = Vec::new();
+    for e in errors {
+        problems.push(match e {
+            ApplyError::ShapeMismatch {
+                path,
+                expected,
+                found,
+            } => format!(
+                "`{}` has shape {:?} in the checkpoint but the model has {:?}",
+                name(path),
+                found.as_slice(),
+                expected.as_slice()
+            ),
+            other => other.to_string(),
+        });
+    }
+    if !missing.is_empty() {
+        problems.push(format!("missing tensors: {}", names(missing)));
+    }
+    if !unused.is_empty() {
+        problems.push(format!("unexpected tensors: {}", names(unused)));
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(ModelError::Weights(format!(
+            "{} ({})",
+            problems.join("; "),
+            dir.display()
+        )))
+    }
+}
+
 impl<B: Backend> CausalLm<B> {
     /// Loads a Hugging Face checkpoint directory (`config.json` and
     /// `model.safetensors` or sharded `model.safetensors.index.json`, f32
@@ -123,13 +178,7 @@ impl<B: Backend> CausalLm<B> {
         let mut errors = Vec::new();
         for file in &files {
             check_header(file)?;
-            let mut store = reader(file);
-            let result = model
-                .load_from(&mut store)
-                .map_err(|e| ModelError::Safetensors {
-                    path: file.clone(),
-                    message: e.to_string(),
-                })?;
+            let result = load_file_into(&mut model, &mut reader(file), file)?;
             applied.extend(result.applied);
             missing.extend(result.missing.into_iter().map(|(path, _)| path));
             unused.extend(result.unused);
@@ -142,34 +191,7 @@ impl<B: Backend> CausalLm<B> {
             .into_iter()
             .filter(|u| !(tied && u == "lm_head.weight"))
             .collect();
-        let mut problems = Vec::new();
-        for e in &errors {
-            problems.push(match e {
-                ApplyError::ShapeMismatch {
-                    path,
-                    expected,
-                    found,
-                } => format!(
-                    "`{path}` has shape {:?} in the checkpoint but the config gives {:?}",
-                    found.as_slice(),
-                    expected.as_slice()
-                ),
-                other => other.to_string(),
-            });
-        }
-        if !missing.is_empty() {
-            problems.push(format!("missing tensors: {}", missing.join(", ")));
-        }
-        if !unused.is_empty() {
-            problems.push(format!("unexpected tensors: {}", unused.join(", ")));
-        }
-        if !problems.is_empty() {
-            return Err(ModelError::Weights(format!(
-                "{} ({})",
-                problems.join("; "),
-                dir.display()
-            )));
-        }
+        report_problems(&errors, &missing, &unused, dir, |path| path.into())?;
         Ok(model)
     }
 
@@ -198,8 +220,18 @@ impl<B: Backend> CausalLm<B> {
     /// Writes `config.json` and `model.safetensors` that HF transformers
     /// loads (`AutoModelForCausalLM.from_pretrained(dir)`), replacing a
     /// checkpoint already there.
+    /// A model with LoRA adapters is refused: merge them first
+    /// ([`CausalLm::merge_lora`]) or save them alone
+    /// ([`CausalLm::save_adapter_dir`]).
     pub fn save_hf_dir(&self, dir: impl AsRef<Path>) -> Result<(), ModelError> {
         let dir = dir.as_ref();
+        if self.lora.is_some() {
+            return Err(ModelError::Config(
+                "the model has LoRA adapters: merge them into the weights (merge_lora) for an \
+                 HF checkpoint, or save them alone in PEFT's format (save_adapter_dir)"
+                    .into(),
+            ));
+        }
         self.save_config(dir)?;
         let file = dir.join(WEIGHTS);
         let mut store = SafetensorsStore::from_file(&file)

@@ -10,6 +10,7 @@ pub mod clip;
 pub mod config;
 mod error;
 mod hf;
+pub mod lora;
 pub mod mlp;
 pub mod model;
 pub mod moe;
@@ -18,5 +19,6 @@ pub mod train;
 
 pub use config::{Architecture, HfConfig, ModelConfig, MoeConfig};
 pub use error::ModelError;
+pub use lora::{LoraConfig, LoraTarget};
 pub use model::{CausalLm, packed_labels};
 pub use train::{MicroBatch, OptimizerKind, StepOutput, TrainConfig, Trainer};

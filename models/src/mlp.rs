@@ -1,14 +1,15 @@
 //! The feed-forward block: the SwiGLU MLP (Qwen3, Llama) or GPT-OSS's
 //! mixture of experts.
 
-use bastile::BastileBackend;
 use bastile::nn::{SwiGluMlp, SwiGluMlpConfig};
+use bastile::{BastileBackend, swiglu};
 use burn::module::Module;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
 use crate::ModelError;
 use crate::config::ModelConfig;
+use crate::lora::{LoraAdapter, MlpAdapters, project};
 use crate::moe::Moe;
 
 /// HF's `mlp` (variant names are not part of the parameter paths).
@@ -37,9 +38,23 @@ impl<B: Backend> Mlp<B> {
 }
 
 impl<B: BastileBackend> Mlp<B> {
-    pub fn forward(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>, ModelError> {
+    /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`; `adapters` add
+    /// their LoRA updates to the dense MLP's projections.
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        adapters: Option<&MlpAdapters<B>>,
+    ) -> Result<Tensor<B, 3>, ModelError> {
         match self {
-            Mlp::Dense(mlp) => Ok(mlp.forward(x)),
+            Mlp::Dense(mlp) => {
+                let adapter = |pick: fn(&MlpAdapters<B>) -> &Option<LoraAdapter<B>>| {
+                    adapters.and_then(|a| pick(a).as_ref())
+                };
+                let gate = project(&mlp.gate_proj, adapter(|a| &a.gate_proj), x.clone())?;
+                let up = project(&mlp.up_proj, adapter(|a| &a.up_proj), x)?;
+                let h = swiglu(gate, up)?;
+                project(&mlp.down_proj, adapter(|a| &a.down_proj), h)
+            }
             Mlp::Experts(moe) => moe.forward(x),
         }
     }

@@ -16,6 +16,7 @@ use burn::tensor::{Bool, DType, Int, Tensor};
 use crate::ModelError;
 use crate::attention::Attention;
 use crate::config::{HfConfig, ModelConfig};
+use crate::lora::{LayerAdapters, LoraConfig};
 use crate::mlp::Mlp;
 
 /// One transformer block.
@@ -25,6 +26,8 @@ pub struct Layer<B: Backend> {
     pub self_attn: Attention<B>,
     pub post_attention_layernorm: RmsNorm<B>,
     pub mlp: Mlp<B>,
+    /// LoRA adapters of the layer's projections ([`CausalLm::with_lora`]).
+    pub lora: Option<LayerAdapters<B>>,
 }
 
 /// HF's `model`: embeddings, blocks, final norm.
@@ -61,6 +64,9 @@ pub struct CausalLm<B: Backend> {
     pub hf_config: HfConfig,
     #[module(skip)]
     pub rotary: Rotary,
+    /// The config of the layers' LoRA adapters, when they have them.
+    #[module(skip)]
+    pub lora: Option<LoraConfig>,
 }
 
 impl<B: Backend> CausalLm<B> {
@@ -88,6 +94,7 @@ impl<B: Backend> CausalLm<B> {
                 self_attn: Attention::new(&config, i, device),
                 post_attention_layernorm: norm(h),
                 mlp: Mlp::new(&config, device),
+                lora: None,
             })
             .collect();
         Ok(CausalLm {
@@ -104,20 +111,32 @@ impl<B: Backend> CausalLm<B> {
             config,
             hf_config: hf_config.clone(),
             rotary: Rotary { inv_freq, scaling },
+            lora: None,
         })
     }
 
     /// The model with every parameter cast to `dtype` (e.g. bf16 weights
     /// for training; the loss, softmax and norm statistics stay in f32).
-    /// Errors on a dtype that is not floating point.
-    pub fn with_dtype(self, dtype: DType) -> Result<Self, ModelError> {
+    /// LoRA adapters keep their own dtype ([`LoraConfig::dtype`]). Errors
+    /// on a dtype that is not floating point.
+    pub fn with_dtype(mut self, dtype: DType) -> Result<Self, ModelError> {
         if !dtype.is_float() {
             return Err(bastile::BastileError::DType(format!(
                 "model parameters must be floating point, got {dtype:?}"
             ))
             .into());
         }
-        Ok(self.map(&mut CastParams(dtype)))
+        let adapters: Vec<_> = self
+            .model
+            .layers
+            .iter_mut()
+            .map(|l| l.lora.take())
+            .collect();
+        let mut model = self.map(&mut CastParams(dtype));
+        for (layer, lora) in model.model.layers.iter_mut().zip(adapters) {
+            layer.lora = lora;
+        }
+        Ok(model)
     }
 
     /// The output projection `[vocab, hidden]` (the embeddings when tied).
@@ -279,15 +298,18 @@ impl<B: BastileBackend> CausalLm<B> {
         };
         let mut x = self.model.embed_tokens.forward(ids);
         for layer in &self.model.layers {
+            let adapters = layer.lora.as_ref();
             let a = layer.self_attn.forward(
                 layer.input_layernorm.try_forward(x.clone())?,
                 &tables,
                 positions.as_ref(),
+                adapters.map(|l| &l.self_attn),
             )?;
             x = x + a;
-            let m = layer
-                .mlp
-                .forward(layer.post_attention_layernorm.try_forward(x.clone())?)?;
+            let m = layer.mlp.forward(
+                layer.post_attention_layernorm.try_forward(x.clone())?,
+                adapters.map(|l| &l.mlp),
+            )?;
             x = x + m;
         }
         Ok(self.model.norm.try_forward(x)?)
@@ -401,7 +423,7 @@ pub fn packed_labels<B: Backend>(
 }
 
 /// Casts every float parameter, keeping its id and whether it trains.
-struct CastParams(DType);
+pub(crate) struct CastParams(pub(crate) DType);
 
 impl<B: Backend> ModuleMapper<B> for CastParams {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {

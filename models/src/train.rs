@@ -288,12 +288,7 @@ where
         CausalLm<B>: AutodiffModule<B>,
     {
         let state_path = dir.join(TRAINER_STATE);
-        let text =
-            std::fs::read_to_string(&state_path).map_err(|e| ModelError::io(&state_path, e))?;
-        let state: TrainerState = serde_json::from_str(&text).map_err(|e| ModelError::Json {
-            path: state_path.clone(),
-            message: e.to_string(),
-        })?;
+        let state: TrainerState = crate::error::read_json(&state_path)?;
         if state.config != self.config {
             return Err(ModelError::Config(format!(
                 "{} was saved with {:?}; this run has {:?}",

@@ -3,5 +3,6 @@
 
 mod hf_parity;
 mod loading;
+mod lora;
 mod packing;
 mod training;

@@ -7,6 +7,7 @@ pub mod attention;
 pub mod cross_entropy;
 pub mod geglu;
 pub mod linear_cross_entropy;
+pub mod lora;
 pub mod rms_norm;
 pub mod rope;
 pub mod swiglu;
@@ -29,10 +30,15 @@ pub(crate) fn reduce_rows<B: Backend>(rows: FloatTensor<B>, spec: &LossSpec) -> 
 
 /// The tensor as f32 (upstream gradients may come in any float dtype).
 pub(crate) fn f32_of<B: Backend>(t: FloatTensor<B>) -> FloatTensor<B> {
-    if t.dtype() == DType::F32 {
+    cast_to::<B>(t, DType::F32)
+}
+
+/// The tensor in `dtype` (no op when it already is).
+pub(crate) fn cast_to<B: Backend>(t: FloatTensor<B>, dtype: DType) -> FloatTensor<B> {
+    if t.dtype() == dtype {
         t
     } else {
-        B::float_cast(t, DType::F32.into())
+        B::float_cast(t, dtype.into())
     }
 }
 

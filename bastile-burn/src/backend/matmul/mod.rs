@@ -38,7 +38,7 @@ fn blas<B: KernelBackend>(
     out
 }
 
-pub(super) fn matmul<B: KernelBackend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
+pub(crate) fn matmul<B: KernelBackend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
     if use_blas::<B>(&lhs) {
         blas::<B>(lhs, rhs, None)
     } else {
@@ -63,7 +63,7 @@ fn unflatten<B: KernelBackend>(t: FloatTensor<B>, mut shape: Shape) -> FloatTens
 
 /// `x [.., in] · weight [in, out] + bias`: one matrix product over every
 /// row, the bias added in the BLAS epilogue.
-pub(super) fn linear<B: KernelBackend>(
+pub(crate) fn linear<B: KernelBackend>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
     bias: Option<FloatTensor<B>>,
@@ -76,7 +76,7 @@ pub(super) fn linear<B: KernelBackend>(
 }
 
 /// `dx = dy [.., out] · weightᵀ`.
-pub(super) fn linear_x_backward<B: KernelBackend>(
+pub(crate) fn linear_x_backward<B: KernelBackend>(
     weight: FloatTensor<B>,
     output_grad: FloatTensor<B>,
 ) -> FloatTensor<B> {
@@ -90,7 +90,7 @@ pub(super) fn linear_x_backward<B: KernelBackend>(
 
 /// `dweight = xᵀ · dy` over every row at once (one product with K = rows,
 /// instead of one per batch entry summed afterwards).
-pub(super) fn linear_weight_backward<B: KernelBackend>(
+pub(crate) fn linear_weight_backward<B: KernelBackend>(
     x: FloatTensor<B>,
     output_grad: FloatTensor<B>,
 ) -> FloatTensor<B> {

@@ -36,9 +36,7 @@ pub(super) fn forward<B: BastileBackend, C: CheckpointStrategy>(
 ) -> Out<GegluOss, Autodiff<B, C>> {
     let recompute = Recompute::<B, _>::new(vec![x.node.id], *op, |op, inputs| {
         let [x] = unpack(inputs);
-        let _ = op;
-        let doubled = B::float_add(x.clone(), x);
-        B::run(op, doubled)
+        B::run(op, x)
     });
     match Node
         .prepare::<C>([x.node.clone()])
