@@ -31,11 +31,11 @@ import time
 
 # The presets of `bastile_models::presets` that this script knows, in HF
 # config fields.
-def qwen3(hidden, inter, layers, heads, kv_heads):
+def qwen3(hidden, inter, layers, heads, kv_heads, tied=True):
     return dict(model_type="qwen3", hidden_size=hidden, intermediate_size=inter,
                 num_hidden_layers=layers, num_attention_heads=heads,
                 num_key_value_heads=kv_heads, head_dim=128, vocab_size=151936,
-                tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                tie_word_embeddings=tied, rope_theta=1000000.0, rms_norm_eps=1e-6,
                 max_position_embeddings=40960)
 
 
@@ -67,6 +67,7 @@ def gpt_oss(layers):
 PRESETS = {
     "qwen3-0.6b": qwen3(1024, 3072, 28, 16, 8),
     "qwen3-1.7b": qwen3(2048, 6144, 28, 16, 8),
+    "qwen3-8b": qwen3(4096, 12288, 36, 32, 8, tied=False),
     "llama-3.2-1b": llama(2048, 8192, 16, 32, 8, 64),
     "gpt-oss-20b-4l": gpt_oss(4),
 }

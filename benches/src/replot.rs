@@ -65,8 +65,13 @@ pub fn merge_value(report: &mut Report, value: Value) -> Result<(), String> {
             report.copy_gb_per_s = copy;
         }
     }
+    // A report holds its tables as lists; a training row's `attention`
+    // names the attention that ran.
     let tables = ["rows", "train", "attention", "matmul", "flce", "notes"];
-    if tables.iter().any(|k| map.contains_key(*k)) {
+    if tables
+        .iter()
+        .any(|k| map.get(*k).is_some_and(Value::is_array))
+    {
         let list = |k: &str| match map.get(k) {
             Some(Value::Array(items)) => items.clone(),
             _ => Vec::new(),
@@ -125,6 +130,10 @@ mod tests {
             "implementation": "HF + Liger-Kernel", "ms_per_step": null, "tokens_per_s": null,
             "peak_mib": null, "error": "out of memory", "device": "other"});
         merge_value(&mut report, torch).unwrap();
+        let peft = serde_json::json!({"model": "m", "batch": 1, "seq": 2048, "dtype": "bf16",
+            "implementation": "HF transformers + PEFT, LoRA r16", "attention": "sdpa",
+            "ms_per_step": 150.0, "tokens_per_s": 13653.3, "peak_mib": 800.0, "error": null});
+        merge_value(&mut report, peft).unwrap();
         let sdpa = serde_json::json!({"attention": [{"shape": "s", "seq": 8, "dtype": "bf16",
             "implementation": "torch sdpa", "fwd_ms": 1.0, "fwd_tflops": 2.0,
             "fwd_bwd_ms": 3.0, "fwd_bwd_tflops": 4.0, "peak_mib": 5.0}]});
@@ -134,8 +143,9 @@ mod tests {
             ("cuda", "H100")
         );
         assert!(report.copy_gb_per_s.is_nan());
-        assert_eq!(report.train.len(), 2);
+        assert_eq!(report.train.len(), 3);
         assert_eq!(report.train[1].error.as_deref(), Some("out of memory"));
+        assert_eq!(report.train[2].ms_per_step, Some(150.0));
         assert_eq!(report.attention[0].fwd_bwd_ms, 3.0);
         let err = merge_value(&mut report, serde_json::json!({"x": 1})).unwrap_err();
         assert!(err.contains("not a result row: x"), "{err}");

@@ -233,7 +233,15 @@ impl Report {
         let mut rows: Vec<&crate::train::TrainRow> = self.train.iter().collect();
         rows.sort_by(|a, b| (&a.model, a.batch, a.seq).cmp(&(&b.model, b.batch, b.seq)));
         for r in rows {
+            // A LoRA row (its name ends in ", LoRA rN") compares with the
+            // rows of the same rank: PyTorch's through PEFT.
+            let rank = r.implementation.rsplit_once(", LoRA r").map(|(_, n)| n);
             let vs = |name: &str| {
+                let name = match rank {
+                    Some(n) if name == "burn" => format!("burn, LoRA r{n}"),
+                    Some(n) => format!("{name} + PEFT, LoRA r{n}"),
+                    None => name.to_string(),
+                };
                 let other = self.train.iter().find(|o| {
                     o.model == r.model
                         && o.batch == r.batch
