@@ -6,8 +6,9 @@
 //! chosen projection of each layer an adapter: `y = x·W + s·(drop(x)·A)·B`
 //! with `A` `[in, rank]` (Kaiming-uniform, as PEFT initializes it), `B`
 //! `[rank, out]` (zeros, so training starts from the base model) and
-//! `s = alpha / rank` (or `alpha / √rank` with rsLoRA). The low-rank
-//! product runs in the activations' dtype (the adapters are cast to it, as
+//! `s = alpha / rank` (or `alpha / √rank` with rsLoRA). The update is one
+//! autodiff node under `Bastile` ([`bastile::lora_update`]); its products
+//! run in the activations' dtype (the adapters are cast to it, as
 //! autocast does), so bf16 activations meet f32 adapters at bf16 speed
 //! while the optimizer keeps the adapters in f32.
 //!
