@@ -312,18 +312,9 @@ impl Task for Finetune {
             );
         }
         let done = trainer.steps();
-        let trained = match model.lora_config() {
-            Some(c) => format!(
-                ", LoRA rank {} on {} (base frozen)",
-                c.rank,
-                c.targets
-                    .iter()
-                    .map(|t| t.hf_name())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-            None => String::new(),
-        };
+        let trained = model.lora_config().map_or(String::new(), |c| {
+            format!(", LoRA {} (base frozen)", lora_setting(c))
+        });
         let rows = if o.packing {
             format!("rows of {row_len} tokens, each packing whole examples")
         } else {

@@ -6,6 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
+use bastile_models::lora::{ADAPTER_CONFIG, read_adapter_config};
 use bastile_models::{CausalLm, HfConfig, presets};
 use burn::module::Module;
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
@@ -122,8 +123,6 @@ impl ModelSource {
 }
 
 /// The PEFT config file of a LoRA adapter directory.
-const ADAPTER_CONFIG: &str = "adapter_config.json";
-
 /// Whether `name` is a LoRA adapter directory.
 pub fn is_adapter_dir(name: &str) -> bool {
     Path::new(name).join(ADAPTER_CONFIG).is_file()
@@ -132,19 +131,13 @@ pub fn is_adapter_dir(name: &str) -> bool {
 /// The base model an adapter directory names (`base_model_name_or_path`).
 fn adapter_base(dir: &Path) -> Result<ModelSource, CliError> {
     let path = dir.join(ADAPTER_CONFIG);
-    let text = std::fs::read_to_string(&path).map_err(|e| CliError::io(&path, e))?;
-    let json: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| CliError::io(&path, format!("invalid: {e}")))?;
-    let base = json
-        .get("base_model_name_or_path")
-        .and_then(|v| v.as_str())
-        .ok_or_else(|| {
-            CliError::io(
-                &path,
-                "names no base model (base_model_name_or_path): pass --model BASE --adapter DIR",
-            )
-        })?;
-    ModelSource::parse(base).map_err(|e| {
+    let base = read_adapter_config(dir)?.base_model.ok_or_else(|| {
+        CliError::io(
+            &path,
+            "names no base model (base_model_name_or_path): pass --model BASE --adapter DIR",
+        )
+    })?;
+    ModelSource::parse(&base).map_err(|e| {
         CliError::io(
             &path,
             format!(

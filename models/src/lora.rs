@@ -38,21 +38,14 @@ use crate::model::{CastParams, CausalLm};
 use crate::{Architecture, ModelError};
 
 /// A projection an adapter can sit on, by its HF name.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum LoraTarget {
-    #[serde(rename = "q_proj")]
     Query,
-    #[serde(rename = "k_proj")]
     Key,
-    #[serde(rename = "v_proj")]
     Value,
-    #[serde(rename = "o_proj")]
     Output,
-    #[serde(rename = "gate_proj")]
     Gate,
-    #[serde(rename = "up_proj")]
     Up,
-    #[serde(rename = "down_proj")]
     Down,
 }
 
@@ -109,15 +102,23 @@ pub fn parse_targets(list: &str) -> Result<Vec<LoraTarget>, ModelError> {
     if list.trim() == "all" || list.trim() == "all-linear" {
         return Ok(LoraTarget::ALL.to_vec());
     }
-    let targets: BTreeSet<LoraTarget> = list
-        .split(',')
+    targets_named(list.split(','))
+}
+
+/// The targets of `names`, each once, in layer order.
+fn targets_named<'a>(
+    names: impl IntoIterator<Item = &'a str>,
+) -> Result<Vec<LoraTarget>, ModelError> {
+    let targets: BTreeSet<LoraTarget> = names
+        .into_iter()
         .map(LoraTarget::parse)
         .collect::<Result<_, _>>()?;
     Ok(targets.into_iter().collect())
 }
 
-/// What adapters to add and how they scale.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// What adapters to add and how they scale (PEFT's `adapter_config.json`
+/// on disk).
+#[derive(Clone, Debug, PartialEq)]
 pub struct LoraConfig {
     /// The adapters' rank `r` (≥ 1).
     pub rank: usize,
@@ -130,16 +131,10 @@ pub struct LoraConfig {
     /// The projections that get an adapter, in every layer.
     pub targets: Vec<LoraTarget>,
     /// The adapters' dtype (f32 by default, as PEFT keeps them).
-    #[serde(skip, default = "default_dtype")]
     pub dtype: DType,
     /// The base model the adapters belong to (PEFT's
     /// `base_model_name_or_path`: a directory or a preset name), if known.
-    #[serde(default)]
     pub base_model: Option<String>,
-}
-
-fn default_dtype() -> DType {
-    DType::F32
 }
 
 impl LoraConfig {
@@ -383,7 +378,8 @@ const PEFT_TO_BURN: [(&str, &str); 2] = [
 ];
 /// The adapter tensors of the module tree.
 const ADAPTER_PATHS: &str = r"^model\.layers\.\d+\.lora\.";
-const ADAPTER_CONFIG: &str = "adapter_config.json";
+/// The PEFT config file of an adapter directory.
+pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 
 /// `adapter_config.json` as PEFT writes and reads it (the fields Bastile
@@ -517,17 +513,18 @@ impl PeftConfig {
         let targets = match &self.target_modules {
             Value::String(s) if s == "all-linear" => LoraTarget::ALL.to_vec(),
             Value::Array(names) => {
-                let mut targets = BTreeSet::new();
-                for n in names {
-                    let name = n.as_str().ok_or_else(|| {
-                        ModelError::Config(format!(
-                            "{}: `target_modules` holds {n}, not a name",
-                            path.display()
-                        ))
-                    })?;
-                    targets.insert(LoraTarget::parse(name)?);
-                }
-                targets.into_iter().collect()
+                let names = names
+                    .iter()
+                    .map(|n| {
+                        n.as_str().ok_or_else(|| {
+                            ModelError::Config(format!(
+                                "{}: `target_modules` holds {n}, not a name",
+                                path.display()
+                            ))
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                targets_named(names)?
             }
             other => {
                 return unsupported(&format!(
@@ -674,9 +671,7 @@ impl<B: Backend> CausalLm<B> {
         device: &B::Device,
     ) -> Result<Self, ModelError> {
         let dir = dir.as_ref();
-        let config_path = dir.join(ADAPTER_CONFIG);
-        let peft: PeftConfig = crate::error::read_json(&config_path)?;
-        let config = peft.lora(&config_path)?;
+        let config = read_adapter_config(dir)?;
         let file = dir.join(ADAPTER_WEIGHTS);
         check_header(&file)?;
         let mut model = self.with_lora(config, device)?;
@@ -707,6 +702,13 @@ impl<B: Backend> CausalLm<B> {
         }
         Ok(model)
     }
+}
+
+/// The LoRA config of a PEFT adapter directory (its `adapter_config.json`,
+/// base model included); an error names what Bastile does not support.
+pub fn read_adapter_config(dir: &Path) -> Result<LoraConfig, ModelError> {
+    let path = dir.join(ADAPTER_CONFIG);
+    crate::error::read_json::<PeftConfig>(&path)?.lora(&path)
 }
 
 /// PEFT's name of an adapter tensor's module path (other paths as they

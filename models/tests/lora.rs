@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use bastile::BastileBackend;
 use bastile_cubecl::reference::lora as reference;
-use bastile_cubecl::testing::{rel_l2, runtime_selected};
+use bastile_cubecl::testing::{Rng, rel_l2, runtime_selected};
 use bastile_models::lora::{LoraAdapter, parse_targets, project};
 use bastile_models::{CausalLm, LoraConfig, LoraTarget, MicroBatch, TrainConfig, Trainer};
 use burn::backend::{Autodiff, NdArray};
@@ -28,19 +28,6 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// Deterministic values in `[-1, 1)` (the same on every backend).
-fn values(n: usize, seed: u64) -> Vec<f64> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 11) as f64 / (1u64 << 52) as f64 - 1.0
-        })
-        .collect()
-}
-
 fn tensor<B: Backend, const D: usize>(
     v: &[f64],
     shape: [usize; D],
@@ -54,11 +41,12 @@ fn read<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f64> {
     t.into_data().convert::<f64>().to_vec::<f64>().unwrap()
 }
 
-/// Replaces every float parameter by deterministic values of its shape
-/// (scaled by `scale`), keeping its id and whether it trains.
+/// Replaces every float parameter by normal values of its shape (standard
+/// deviation `std`, from a fixed seed: the same on every backend), keeping
+/// its id and whether it trains.
 struct Fill {
-    seed: u64,
-    scale: f64,
+    rng: Rng,
+    std: f64,
 }
 
 impl<B: Backend> ModuleMapper<B> for Fill {
@@ -66,11 +54,7 @@ impl<B: Backend> ModuleMapper<B> for Fill {
         let (id, t, mapper) = param.consume();
         let trains = t.is_require_grad();
         let shape = t.dims();
-        self.seed += 1;
-        let v: Vec<f64> = values(shape.iter().product(), self.seed)
-            .into_iter()
-            .map(|x| x * self.scale)
-            .collect();
+        let v = self.rng.normals(shape.iter().product(), 0.0, self.std);
         let t = tensor::<B, D>(&v, shape, &t.device()).cast(t.dtype());
         Param::from_mapped_value(id, if trains { t.require_grad() } else { t }, mapper)
     }
@@ -80,8 +64,8 @@ impl<B: Backend> ModuleMapper<B> for Fill {
 /// `B` is zero, which would hide a wrong update).
 fn fill_adapters<B: Backend>(mut model: CausalLm<B>) -> CausalLm<B> {
     let mut fill = Fill {
-        seed: 100,
-        scale: 0.2,
+        rng: Rng::from_seed(100),
+        std: 0.1,
     };
     for layer in &mut model.model.layers {
         layer.lora = layer.lora.take().map(|l| l.map(&mut fill));
@@ -95,13 +79,15 @@ fn projection_matches_reference<B: AutodiffBackend + BastileBackend>(what: &str,
     let device = Default::default();
     let (batch, seq, i, r, o) = (2, 5, 13, 3, 9);
     let n = batch * seq;
+    let mut rng = Rng::from_seed(1);
+    let mut normals = |n| rng.normals(n, 0.0, 0.5);
     let (x, w, bias, a, b, g) = (
-        values(n * i, 1),
-        values(i * o, 2),
-        values(o, 3),
-        values(i * r, 4),
-        values(r * o, 5),
-        values(n * o, 6),
+        normals(n * i),
+        normals(i * o),
+        normals(o),
+        normals(i * r),
+        normals(r * o),
+        normals(n * o),
     );
     let config = LoraConfig::new(r).with_alpha(7.0).with_rslora(true);
     let s = config.scale();
