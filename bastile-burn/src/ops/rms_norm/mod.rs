@@ -102,10 +102,10 @@ pub fn composite_forward<B: Backend>(
     let x32 = float::<B, 2>(x).reshape([rows, hidden]).cast(DType::F32);
     let gamma = float::<B, 1>(gamma).unsqueeze::<2>();
     // A division, not `recip`: Burn's NdArray computes `recip` with an
-    // approximate vector instruction (relative error up to 2.6e-4 on an
-    // AMD EPYC, less on other CPUs) on every element but those that an
-    // allocation's alignment leaves to scalar code, so the reference would
-    // be inexact and differ from run to run.
+    // approximate vector instruction (relative error up to 2.6e-4 measured
+    // on an AMD EPYC; its precision differs between CPUs) on every element
+    // but those that an allocation's alignment leaves to scalar code, so
+    // the reference would be inexact and differ from run to run.
     let rms = (x32.clone().square().mean_dim(1) + eps).sqrt();
     let rstd = rms.ones_like() / rms;
     let n = x32 * rstd.clone();
