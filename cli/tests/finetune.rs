@@ -11,7 +11,8 @@ use bastile_cli::device::DeviceKind;
 use bastile_cli::finetune::{self, FinetuneOptions, FinetuneReport};
 use bastile_cli::generate::{self, GenerateOptions};
 use bastile_cli::{CliError, DTypeArg};
-use bastile_cubecl::testing::runtime_selected;
+use bastile_cubecl::FloatDtype;
+use bastile_cubecl::testing::{from_bytes, rel_l2, runtime_selected};
 use bastile_models::{LoraConfig, OptimizerKind};
 use safetensors::SafeTensors;
 
@@ -124,23 +125,17 @@ fn same_weights(what: &str, a: &Path, b: &Path, file: &str) {
     assert_eq!(names, names_b, "{what}: {file}");
     let values = |t: &safetensors::tensor::TensorView<'_>| -> Vec<f64> {
         assert_eq!(t.dtype(), safetensors::Dtype::F32, "{what}: {file}");
-        t.data()
-            .chunks_exact(4)
-            .map(|c| f64::from(f32::from_le_bytes(c.try_into().unwrap())))
-            .collect()
+        from_bytes(FloatDtype::F32, t.data())
     };
     for name in names {
         let (x, y) = (
             values(&a.tensor(name).unwrap()),
             values(&b.tensor(name).unwrap()),
         );
-        assert_eq!(x.len(), y.len(), "{what}: {name}");
-        let diff: f64 = x.iter().zip(&y).map(|(p, q)| (p - q) * (p - q)).sum();
-        let norm: f64 = y.iter().map(|q| q * q).sum();
+        let distance = rel_l2(&x, &y);
         assert!(
-            diff.sqrt() <= RESUME_WEIGHT_TOL * norm.sqrt(),
-            "{what}: {name} is {:.2e} (relative L2) from the uninterrupted run's",
-            diff.sqrt() / norm.sqrt().max(f64::MIN_POSITIVE)
+            distance <= RESUME_WEIGHT_TOL,
+            "{what}: {name} is {distance:.2e} (relative L2) from the uninterrupted run's"
         );
     }
 }
