@@ -59,18 +59,24 @@ fn options(output: PathBuf, steps: usize) -> FinetuneOptions {
 }
 
 /// Runs draw their initial weights from the backend's process-wide random
-/// generator, which each seeds: one run at a time, so that no test's
-/// weights depend on another test's draws.
+/// generator, which each seeds (generation and model loading too, which
+/// build a model before reading its weights): one at a time, so that no
+/// test's weights depend on another test's draws or seed.
 static ONE_RUN_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Holds the process-wide generator for the caller until dropped.
+fn alone() -> std::sync::MutexGuard<'static, ()> {
+    ONE_RUN_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 fn finetune(
     device: DeviceKind,
     bastile: bool,
     o: FinetuneOptions,
 ) -> Result<FinetuneReport, CliError> {
-    let _alone = ONE_RUN_AT_A_TIME
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let _alone = alone();
     finetune::run(device, bastile, o)
 }
 
@@ -157,6 +163,7 @@ fn greedy_with(models: Vec<String>, adapter: Option<PathBuf>, prompt: &str) -> V
         dtype: DTypeArg::Auto,
         adapter,
     };
+    let _alone = alone();
     generate::run(DeviceKind::Cpu, false, o)
         .unwrap()
         .into_iter()
@@ -458,9 +465,12 @@ fn a_step_that_is_not_finite_stops_or_is_skipped() {
     assert!(step >= 2, "{e}");
     assert!(!out.join(format!("checkpoint-{step}")).exists());
     let last = out.join(format!("checkpoint-{}", step - 1));
-    let model = bastile_cli::source::ModelSource::Dir(last.clone())
-        .load::<burn::backend::NdArray>(&Default::default())
-        .unwrap();
+    let model = {
+        let _alone = alone();
+        bastile_cli::source::ModelSource::Dir(last.clone())
+            .load::<burn::backend::NdArray>(&Default::default())
+            .unwrap()
+    };
     let mut finite = AllFinite(true);
     model.visit(&mut finite);
     assert!(
