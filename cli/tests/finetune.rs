@@ -59,9 +59,10 @@ fn options(output: PathBuf, steps: usize) -> FinetuneOptions {
 }
 
 /// Runs draw their initial weights from the backend's process-wide random
-/// generator, which each seeds (generation and model loading too, which
-/// build a model before reading its weights): one at a time, so that no
-/// test's weights depend on another test's draws or seed.
+/// generator, which each seeds; generation and model loading draw from it
+/// too (they build a model, adapters included, before reading its
+/// weights). One at a time, so that no test's weights depend on another
+/// test's draws.
 static ONE_RUN_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Holds the process-wide generator for the caller until dropped.
