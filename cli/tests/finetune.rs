@@ -81,33 +81,12 @@ fn finetune(
     finetune::run(device, bastile, o)
 }
 
-/// Runs `f` with Burn's NdArray backend on one thread. Spread over
-/// several, its batched products differ in their last bits from run to
-/// run, and two runs of one seed drift apart from the second step on.
-fn one_thread<T: Send>(f: impl FnOnce() -> T + Send) -> T {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(1)
-        .build()
-        .expect("a one-thread pool")
-        .install(f)
-}
-
-/// How far (relative) a resumed run's losses may lie from those of the run
-/// that never stopped. On one thread the two agree to the last bit or two
-/// (some runs end bit for bit equal, others a few f32 roundings apart,
-/// from a source in the CPU backend not pinned down), while a resume that
-/// lost any of its state lands orders of magnitude farther.
-const RESUME_LOSS_TOL: f64 = 1e-6;
-/// The same for each weight tensor (relative L2): a LoRA `B` that starts
-/// from zeros carries the largest relative drift (1.3e-6 seen).
-const RESUME_WEIGHT_TOL: f64 = 1e-5;
-
-/// Each step's loss equals the other run's (within [`RESUME_LOSS_TOL`]).
+/// Each step's loss equals the other run's, bit for bit.
 fn same_losses(what: &str, a: &[f64], b: &[f64]) {
     assert_eq!(a.len(), b.len(), "{what}");
     for (step, (x, y)) in a.iter().zip(b).enumerate() {
         assert!(
-            (x - y).abs() <= RESUME_LOSS_TOL * y.abs(),
+            x.to_bits() == y.to_bits(),
             "{what}, step {}: {x} vs {y}",
             step + 1
         );
@@ -115,8 +94,8 @@ fn same_losses(what: &str, a: &[f64], b: &[f64]) {
 }
 
 /// Two runs ended with the same weights: each f32 tensor of their final
-/// `file`s (safetensors) within [`RESUME_WEIGHT_TOL`] of the other's
-/// (relative L2).
+/// `file`s (safetensors) equals the other's bit for bit (a mismatch reports
+/// its relative L2 distance).
 fn same_weights(what: &str, a: &Path, b: &Path, file: &str) {
     let (bytes_a, bytes_b) = (
         std::fs::read(a.join(file)).unwrap(),
@@ -139,10 +118,10 @@ fn same_weights(what: &str, a: &Path, b: &Path, file: &str) {
             values(&a.tensor(name).unwrap()),
             values(&b.tensor(name).unwrap()),
         );
-        let distance = rel_l2(&x, &y);
         assert!(
-            distance <= RESUME_WEIGHT_TOL,
-            "{what}: {name} is {distance:.2e} (relative L2) from the uninterrupted run's"
+            x.iter().zip(&y).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{what}: {name} is {:.2e} (relative L2) from the uninterrupted run's",
+            rel_l2(&x, &y)
         );
     }
 }
@@ -241,7 +220,7 @@ fn a_resumed_run_repeats_the_uninterrupted_losses() {
         o.optimizer = optimizer;
         o.save_every = Some(3);
         o.keep_last = Some(1);
-        let whole = one_thread(|| finetune(DeviceKind::Cpu, true, o.clone())).unwrap();
+        let whole = finetune(DeviceKind::Cpu, true, o.clone()).unwrap();
         // Checkpoints at 3 and 6; only the latest is kept.
         assert_eq!(whole.checkpoints, vec![out.join("checkpoint-6")]);
         assert!(!out.join("checkpoint-3").exists());
@@ -252,13 +231,13 @@ fn a_resumed_run_repeats_the_uninterrupted_losses() {
         let mut stopped = o.clone();
         stopped.output = first.clone();
         stopped.keep_last = None;
-        let cut = one_thread(|| finetune(DeviceKind::Cpu, true, stopped)).unwrap();
+        let cut = finetune(DeviceKind::Cpu, true, stopped).unwrap();
         let resumed_out = temp_dir(&format!("resumed-{optimizer:?}"));
         let mut resumed = o.clone();
         resumed.output = resumed_out.clone();
         resumed.model = "not read when resuming".into();
         resumed.resume = Some(first.join("checkpoint-3"));
-        let rest = one_thread(|| finetune(DeviceKind::Cpu, true, resumed)).unwrap();
+        let rest = finetune(DeviceKind::Cpu, true, resumed).unwrap();
         same_losses("before the stop", &cut.losses[..3], &whole.losses[..3]);
         same_losses(&format!("{optimizer:?}"), &rest.losses, &whole.losses);
         same_weights(
@@ -328,7 +307,7 @@ fn lora_adapters_learn_on_a_frozen_base_and_resume() {
     o.lora = Some(LoraConfig::new(16).with_alpha(32.0));
     o.merge_lora = true;
     o.save_every = Some(20);
-    let whole = one_thread(|| finetune(DeviceKind::Cpu, true, o.clone())).unwrap();
+    let whole = finetune(DeviceKind::Cpu, true, o.clone()).unwrap();
     let l = &whole.losses;
     let tail: f64 = l[35..].iter().sum::<f64>() / 5.0;
     // The frozen random head bounds the logits (its rows are small and
@@ -356,7 +335,7 @@ fn lora_adapters_learn_on_a_frozen_base_and_resume() {
     let mut resumed = o.clone();
     resumed.output = resumed_out.clone();
     resumed.resume = Some(out.join("checkpoint-20"));
-    let rest = one_thread(|| finetune(DeviceKind::Cpu, true, resumed)).unwrap();
+    let rest = finetune(DeviceKind::Cpu, true, resumed).unwrap();
     same_losses("resumed LoRA run", &rest.losses, l);
     same_weights(
         "resumed LoRA run",

@@ -101,11 +101,9 @@ pub fn composite_forward<B: Backend>(
     let (rows, hidden) = rows_hidden(&shape);
     let x32 = float::<B, 2>(x).reshape([rows, hidden]).cast(DType::F32);
     let gamma = float::<B, 1>(gamma).unsqueeze::<2>();
-    // A division, not `recip`: Burn's NdArray computes `recip` with an
-    // approximate vector instruction (relative error up to 2.6e-4 measured
-    // on an AMD EPYC; its precision differs between CPUs) on every element
-    // but those that an allocation's alignment leaves to scalar code, so
-    // the reference would be inexact and differ from run to run.
+    // A division, not `recip`: a backend may compute `recip` approximately
+    // (Burn's NdArray with its "simd" feature uses `rcpps`, up to 2.6e-4
+    // relative error measured on an AMD EPYC), and this is the reference.
     let rms = (x32.clone().square().mean_dim(1) + eps).sqrt();
     let rstd = rms.ones_like() / rms;
     let n = x32 * rstd.clone();
