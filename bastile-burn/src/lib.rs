@@ -48,6 +48,7 @@ mod backend;
 mod error;
 pub mod fused;
 pub mod kernel_cache;
+pub mod launch_failure;
 pub mod nn;
 pub mod ops;
 pub mod optim;
@@ -57,6 +58,7 @@ pub use backend::Bastile;
 pub use bastile_cubecl::rms_norm::RmsNormCast;
 pub use error::BastileError;
 pub use fused::BastileBackend;
+pub use launch_failure::{LaunchFailure, capture_launch_failures, launch_failed};
 pub use ops::attention::{
     AttentionKernels, AttentionOptions, attention, attention_kernels, document_starts,
     set_attention_kernels,

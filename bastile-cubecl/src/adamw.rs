@@ -400,6 +400,9 @@ pub fn update<R: Runtime>(
     let (bias1, bias2) = hyper.bias_corrections();
     let decay = 1.0 - hyper.learning_rate * hyper.weight_decay;
     let dummy = client.empty(16);
+    // Every launch is checked before the first one runs, so a refusal
+    // leaves every parameter as it was.
+    let mut checked = Vec::new();
     for (key, members) in launches(keyed, per) {
         let v = key.vector_size;
         let tile = TileLaunch {
@@ -411,6 +414,11 @@ pub fn update<R: Runtime>(
             members.iter().map(|&i| params[i].problem.len / v).collect();
         let per_cube = (tile.units_per_cube * tile.items_per_unit) as usize;
         let firsts = first_cubes(vector_counts.iter().map(|n| n.div_ceil(per_cube)));
+        let cubes = launch::cube_count(client, *firsts.last().unwrap())?;
+        checked.push((key, members, tile, vector_counts, firsts, cubes));
+    }
+    for (key, members, tile, vector_counts, firsts, cubes) in checked {
+        let v = key.vector_size;
         let cfg = UpdateConfig {
             tile: tile.tile(1),
             master: key.master,
@@ -430,7 +438,7 @@ pub fn update<R: Runtime>(
         unsafe {
             adamw_kernel::launch_unchecked::<R>(
                 client,
-                launch::cube_count(client, *firsts.last().unwrap())?,
+                cubes,
                 tile.cube_dim(),
                 v,
                 tensors(view(&|b| b.param.clone())),

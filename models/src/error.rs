@@ -34,6 +34,10 @@ pub enum ModelError {
     /// skipped and changed no parameter.
     #[error("training step {step}: {message}")]
     NonFinite { step: usize, message: String },
+    /// An error the device reported (outside a training step, whose
+    /// errors are [`ModelError::Step`]).
+    #[error("{0}")]
+    Device(String),
     /// A tensor-level mistake reported by Bastile (shape, dtype, device).
     #[error(transparent)]
     Bastile(#[from] bastile::BastileError),

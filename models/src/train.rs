@@ -240,8 +240,8 @@ where
                 "an evaluation needs at least one batch".into(),
             ));
         }
-        let loss: Vec<f64> = read_back(Tensor::cat(sums, 0).sum())?;
-        let tokens: Vec<i64> = read_back(Tensor::cat(counts, 0).sum())?;
+        let loss: Vec<f64> = read_back(Tensor::cat(sums, 0).sum(), None)?;
+        let tokens: Vec<i64> = read_back(Tensor::cat(counts, 0).sum(), None)?;
         if tokens[0] == 0 {
             return Err(ModelError::Config(
                 "no label of the evaluation batches counts".into(),
@@ -336,12 +336,15 @@ where
     /// count and the checks of the input ids and labels run on the device,
     /// and the loss, the gradient norm, the count and the checks are read
     /// once, at the end. An input id or label out of range, a step in
-    /// which no label counts, or a loss or gradient that is not finite, is
-    /// an error naming the step, and that step changes no parameter: the
-    /// fused AdamW skips it on the device. Burn's AdamW, which cannot, has
-    /// the checks and the loss read before it runs (one wait inside the
-    /// step). Rows shorter than two positions are an error before anything
-    /// runs. The model comes back either way.
+    /// which no label counts, a loss or gradient that is not finite, or a
+    /// kernel launch that fails (see [`bastile::launch_failure`]; an error
+    /// the device reports while the results are read), is an error naming
+    /// the step, and that step changes no parameter: the fused AdamW skips
+    /// it on the device, and writes nothing after a failed launch. Burn's
+    /// AdamW, which cannot skip on the device, has the checks and the loss
+    /// read before it runs (one wait inside the step). Rows shorter than
+    /// two positions are an error before anything runs. The model comes
+    /// back either way.
     pub fn step(
         &mut self,
         model: CausalLm<B>,
@@ -356,29 +359,83 @@ where
         }
         let step = self.step + 1;
         let started = Instant::now();
+        let (applied, failures) =
+            bastile::capture_launch_failures(|| self.apply(step, started, model, micro_batches));
+        let Applied {
+            model,
+            verdict,
+            host,
+            counted,
+        } = applied;
+        // A failed launch leaves every later result meaningless (a loss or
+        // norm read from it may look fine, or not finite): it is the error.
+        let verdict = match failures.first() {
+            Some(failure) => Err(ModelError::Step {
+                step,
+                message: format!("{failure}; the step was skipped and no parameter changed"),
+            }),
+            None => verdict,
+        };
+        if verdict.is_err()
+            && counted
+            && let TrainOptimizer::Fused(adamw) = &mut self.optimizer
+        {
+            adamw.forget_skipped_step();
+        }
+        let out = verdict.map(|(loss, tokens)| {
+            self.step += 1;
+            StepOutput {
+                loss,
+                tokens,
+                learning_rate: self.config.lr_at(step - 1),
+                host_seconds: host.as_secs_f64(),
+            }
+        });
+        (model, out)
+    }
+
+    /// Queues step number `step`, applies the optimizer unless the step must
+    /// change nothing, and reads the results.
+    fn apply(
+        &mut self,
+        step: usize,
+        started: Instant,
+        model: CausalLm<B>,
+        micro_batches: &[MicroBatch<B>],
+    ) -> Applied<B>
+    where
+        CausalLm<B>: AutodiffModule<B>,
+    {
         let queued = match self.queue(&model, micro_batches) {
             Ok(queued) => queued,
-            Err(e) => return (model, Err(e)),
+            Err(e) => {
+                return Applied {
+                    model,
+                    verdict: Err(e),
+                    host: started.elapsed(),
+                    counted: false,
+                };
+            }
         };
-        let lr = self.config.lr_at(self.step);
-        let host: Duration;
-        let (model, verdict) = match &mut self.optimizer {
+        let lr = self.config.lr_at(step - 1);
+        match &mut self.optimizer {
             TrainOptimizer::Fused(adamw) => {
                 let skip = queued.results.skip().inner();
                 let model = adamw.step_unless(lr, model, queued.grads, skip);
                 let norm = adamw.last_norm().map(Tensor::from_inner);
-                host = started.elapsed();
-                let verdict = queued.results.read(step, norm);
-                if verdict.is_err() {
-                    adamw.forget_skipped_step();
+                let host = started.elapsed();
+                Applied {
+                    model,
+                    verdict: queued.results.read(step, norm),
+                    host,
+                    counted: true,
                 }
-                (model, verdict)
             }
             TrainOptimizer::Burn(adamw) => {
                 let passes = started.elapsed();
                 let verdict = queued.results.read(step, None);
                 let optimizer = Instant::now();
-                let model = if verdict.is_ok() {
+                let model = if verdict.is_ok() && !bastile::launch_failed() {
                     let grads = match self.config.max_grad_norm {
                         Some(max) => clip_grad_norm(&model, queued.grads, max),
                         None => queued.grads,
@@ -387,20 +444,14 @@ where
                 } else {
                     model
                 };
-                host = passes + optimizer.elapsed();
-                (model, verdict)
+                Applied {
+                    model,
+                    verdict,
+                    host: passes + optimizer.elapsed(),
+                    counted: false,
+                }
             }
-        };
-        let out = verdict.map(|(loss, tokens)| {
-            self.step += 1;
-            StepOutput {
-                loss,
-                tokens,
-                learning_rate: lr,
-                host_seconds: host.as_secs_f64(),
-            }
-        });
-        (model, out)
+        }
     }
 
     /// Queues every micro-batch's forward and backward pass; nothing is
@@ -487,6 +538,18 @@ fn record_error(path: &Path, e: RecorderError) -> ModelError {
     )
 }
 
+/// A step as [`Trainer::step`]'s captured part leaves it.
+struct Applied<B: AutodiffBackend> {
+    model: CausalLm<B>,
+    /// `(loss, tokens)`, or the step's error.
+    verdict: Result<(f64, usize), ModelError>,
+    /// The host time spent queueing the step.
+    host: Duration,
+    /// Whether the fused AdamW counted the step (it does before it knows
+    /// whether the step is skipped).
+    counted: bool,
+}
+
 /// A step whose passes are queued, and what it will read back.
 struct QueuedStep<B: AutodiffBackend> {
     grads: GradientsParams,
@@ -505,14 +568,22 @@ struct StepResults<B: AutodiffBackend> {
     seq: Vec<usize>,
 }
 
-/// A tensor's values, read back (this waits for the device).
+/// A tensor's values, read back (this waits for the device); an error the
+/// device reports comes back as the error of training step `step`, or as
+/// [`ModelError::Device`] outside a step.
 fn read_back<B: Backend, K: BasicOps<B>, E: Element>(
     t: Tensor<B, 1, K>,
+    step: Option<usize>,
 ) -> Result<Vec<E>, ModelError> {
-    t.into_data()
+    let error = |message: String| match step {
+        Some(step) => ModelError::Step { step, message },
+        None => ModelError::Device(message),
+    };
+    t.try_into_data()
+        .map_err(|e| error(format!("the device failed: {e}")))?
         .convert::<E>()
         .into_vec::<E>()
-        .map_err(|e| ModelError::Config(format!("step results could not be read: {e:?}")))
+        .map_err(|e| error(format!("results could not be read: {e:?}")))
 }
 
 impl<B: AutodiffBackend> StepResults<B> {
@@ -538,7 +609,7 @@ impl<B: AutodiffBackend> StepResults<B> {
         let mut ints = vec![self.tokens];
         ints.extend(self.id_checks.iter().map(IdCheck::found));
         ints.extend(self.checks.iter().map(LabelCheck::found));
-        let ints: Vec<i64> = read_back(Tensor::cat(ints, 0))?;
+        let ints: Vec<i64> = read_back(Tensor::cat(ints, 0), Some(step))?;
         let step_error = |message: String| Err(ModelError::Step { step, message });
         for (i, check) in self.id_checks.iter().enumerate() {
             if let Some(e) = check.error([ints[1 + 2 * i], ints[2 + 2 * i]]) {
@@ -568,7 +639,7 @@ impl<B: AutodiffBackend> StepResults<B> {
         }
         let mut floats = vec![self.loss];
         floats.extend(norm);
-        let floats: Vec<f64> = read_back(Tensor::cat(floats, 0))?;
+        let floats: Vec<f64> = read_back(Tensor::cat(floats, 0), Some(step))?;
         let loss = floats[0];
         let norm = floats.get(1).copied();
         if !loss.is_finite() || norm.is_some_and(|n| !n.is_finite()) {

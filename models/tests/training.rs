@@ -249,6 +249,113 @@ fn a_failed_step_is_an_error_and_changes_nothing() {
     );
 }
 
+/// Set in the process [`a_failed_launch_is_an_error_and_changes_nothing`]
+/// runs itself in.
+const IN_OWN_PROCESS: &str = "BASTILE_TEST_LAUNCH_FAILURE_PROCESS";
+
+/// A kernel launch that fails inside a step (planted: the runtime refusing
+/// the launch) is an error naming the step and the kernel; the step
+/// changes no parameter and does not count, with the fused AdamW and with
+/// Burn's, so training goes on as if it had never been tried. On the wgpu
+/// runtime under Bastile (the CPU baseline launches no kernels), in a
+/// process of its own: planted failures are process-wide, and another test
+/// launching the same kernel at the same time would take them.
+#[test]
+fn a_failed_launch_is_an_error_and_changes_nothing() {
+    if !runtime_selected("wgpu", cfg!(feature = "wgpu")) {
+        eprintln!("a failed launch: needs the wgpu runtime, which is not selected");
+        return;
+    }
+    if std::env::var_os(IN_OWN_PROCESS).is_some() {
+        #[cfg(feature = "wgpu")]
+        failed_launches_change_nothing();
+        return;
+    }
+    let name = "training::a_failed_launch_is_an_error_and_changes_nothing";
+    let run = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--test-threads=1"])
+        .env(IN_OWN_PROCESS, "1")
+        .output()
+        .expect("the test binary runs again");
+    assert!(
+        run.status.success(),
+        "in its own process:\n{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+}
+
+/// The body of [`a_failed_launch_is_an_error_and_changes_nothing`].
+#[cfg(feature = "wgpu")]
+fn failed_launches_change_nothing() {
+    use bastile::launch_failure::testing::fail_next_launch;
+    use bastile_models::OptimizerKind;
+    type B = burn::backend::Autodiff<bastile::Bastile<burn::backend::Wgpu>>;
+    bastile::apply(bastile::Patches::default());
+    let device = Default::default();
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/qwen3");
+    let load = || CausalLm::<B>::from_hf_dir(&dir, &device).unwrap();
+    let good = || {
+        let data =
+            |v: Vec<i64>| Tensor::<B, 2, Int>::from_data(TensorData::new(v, [1, 6]), &device);
+        [MicroBatch {
+            ids: data(vec![3, 1, 4, 1, 5, 9]),
+            labels: data(vec![-100, 1, 4, 1, 5, 9]),
+            positions: None,
+        }]
+    };
+    for optimizer in [OptimizerKind::Fused, OptimizerKind::Burn] {
+        let config = || TrainConfig {
+            optimizer,
+            ..config()
+        };
+        // Reference: two good steps.
+        let mut trainer = Trainer::<B>::new(config()).unwrap();
+        let mut model = load();
+        for _ in 0..2 {
+            let (m, out) = trainer.step(model, &good());
+            model = m;
+            out.unwrap();
+        }
+        let reference = params(&model);
+
+        // A good step, then failed launches: in the backward pass and
+        // (fused AdamW only) in the update itself.
+        let mut trainer = Trainer::<B>::new(config()).unwrap();
+        let (mut model, out) = trainer.step(load(), &good());
+        out.unwrap();
+        let before = params(&model);
+        let kernels: &[&str] = match optimizer {
+            OptimizerKind::Fused => &["RMSNorm backward", "AdamW update"],
+            OptimizerKind::Burn => &["RMSNorm backward"],
+        };
+        for kernel in kernels {
+            fail_next_launch(kernel);
+            let (m, out) = trainer.step(model, &good());
+            model = m;
+            let err = out.unwrap_err().to_string();
+            assert_eq!(
+                err,
+                format!(
+                    "training step 2: the {kernel} launch failed: launch failed: injected \
+                     by a test; the step was skipped and no parameter changed"
+                ),
+                "{optimizer:?}"
+            );
+            assert_eq!(bits(&params(&model)), bits(&before), "{optimizer:?}: {err}");
+            assert_eq!(trainer.steps(), 1, "{optimizer:?}: {err}");
+        }
+        let (model, out) = trainer.step(model, &good());
+        out.unwrap();
+        assert_eq!(trainer.steps(), 2);
+        assert_eq!(
+            bits(&params(&model)),
+            bits(&reference),
+            "{optimizer:?}: the failed steps left a trace"
+        );
+    }
+}
+
 /// Both runs learn the batch and agree step by step within `loss_tol`
 /// (relative), and their final parameters within `param_tol` (relative L2).
 fn compare(

@@ -172,7 +172,8 @@ mod cuda {
         }
 
         /// Writes (or with `accumulate`, adds) the product into `out`;
-        /// `false` when cuBLASLt declines it (nothing was written).
+        /// `false` when cuBLASLt declines it (nothing was written). A
+        /// cuBLASLt error is a [launch failure](crate::launch_failure).
         fn run(
             &self,
             out: &CubeTensor<R>,
@@ -194,7 +195,10 @@ mod cuda {
             match cublaslt::gemm(self.client, self.index, dtypes, &self.plan, buffers) {
                 Ok(()) => true,
                 Err(KernelError::Unsupported(_)) => false,
-                Err(e) => panic!("cuBLASLt matmul failed: {e}"),
+                Err(e) => {
+                    crate::launch_failure::failed("cuBLASLt matmul", e);
+                    true
+                }
             }
         }
     }

@@ -12,6 +12,7 @@ use bastile_cubecl::adamw::{self, AdamWBuffers, AdamWProblem, AdamWStep, GradVie
 use super::AdamWTensors;
 use crate::fused::cube::empty_like;
 use crate::fused::{kernel, kernel_dtype};
+use crate::launch_failure::{launch, launch_failed};
 
 /// The gradient norm: inputs the gradients, output `[scale, norm]`.
 #[derive(Clone, Copy, Debug)]
@@ -70,14 +71,15 @@ fn clip<R: CubeRuntime>(grads: Vec<CubeTensor<R>>, max_norm: Option<f64>) -> Cub
     let total = adamw::partials_len(&first.client, views.iter().map(|v| v.len));
     let partials = empty_like(first, Shape::new([total]), DType::F32);
     let out = empty_like(first, Shape::new([2]), DType::F32);
-    adamw::global_norm(
-        &first.client,
-        &views,
-        &partials.handle,
-        max_norm,
-        &out.handle,
-    )
-    .unwrap_or_else(|e| panic!("gradient norm launch after a positive support check: {e}"));
+    launch("gradient norm", || {
+        adamw::global_norm(
+            &first.client,
+            &views,
+            &partials.handle,
+            max_norm,
+            &out.handle,
+        )
+    });
     out
 }
 
@@ -129,7 +131,12 @@ fn update<R: CubeRuntime>(
             buffers,
         })
         .collect();
-    adamw::update(&client, &hyper, clip.as_ref().map(|c| &c.handle), &updates)
-        .unwrap_or_else(|e| panic!("AdamW launch after a positive support check: {e}"));
+    // After a failed launch in this step the gradients (and the clip
+    // factor) hold nothing meaningful: write no parameter.
+    if !launch_failed() {
+        launch("AdamW update", || {
+            adamw::update(&client, &hyper, clip.as_ref().map(|c| &c.handle), &updates)
+        });
+    }
     params
 }

@@ -19,6 +19,7 @@ use super::{AttentionGrads, AttentionPlan, AttentionSpec, products};
 use crate::backend::matmul::MatmulQuery;
 use crate::fused::cube::contiguous_i32;
 use crate::fused::{DeviceQuery, kernel, kernel_dtype, unpack};
+use crate::launch_failure::launch;
 
 /// What the device's kernels can do for query and key shapes `dims` of
 /// `dtype` with these options.
@@ -263,12 +264,13 @@ fn tensor_cores_or_tiled(
     tiled: impl Fn() -> Result<(), KernelError>,
     what: &str,
 ) {
-    if tensor_cores {
-        mma().or_else(|_| tiled())
-    } else {
-        tiled()
-    }
-    .unwrap_or_else(|e| panic!("attention {what} launch after a positive support check: {e}"));
+    launch(&format!("attention {what}"), || {
+        if tensor_cores {
+            mma().or_else(|_| tiled())
+        } else {
+            tiled()
+        }
+    });
 }
 
 /// The tiled or (`tensor_cores`) tensor-core forward.

@@ -31,6 +31,7 @@ use super::kernel::{Forwarded, checked_problem, heads, sinks_f32};
 use super::{AttentionGrads, AttentionSpec};
 use crate::backend::matmul::matmul_blas;
 use crate::fused::cube::contiguous_i32;
+use crate::launch_failure::launch;
 
 type Inner<R, F, I, BT> = CubeBackend<R, F, I, BT>;
 
@@ -200,8 +201,9 @@ pub(super) fn forward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolEl
             key_lengths: x.lengths.as_ref().map(|l| l.handle.clone()),
             doc_starts: x.doc_starts.as_ref().map(|s| s.handle.clone()),
         };
-        attention::block_softmax(&x.q.client, p, &block, &buffers)
-            .unwrap_or_else(|e| panic!("attention block softmax after a support check: {e}"));
+        launch("attention block softmax", || {
+            attention::block_softmax(&x.q.client, p, &block, &buffers)
+        });
         let o = product::<R, F, I, BT>(&grouped(&probs, hk), &broadcast(&v_r, false), x.q.dtype);
         outs.push(ungrouped(o));
     }
@@ -264,8 +266,9 @@ pub(super) fn backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolE
         delta: delta.handle.clone(),
         dsink_rows: dsink_rows.as_ref().map(|t| t.handle.clone()),
     };
-    attention::backward_delta(&x.q.client, p, &delta_buffers)
-        .unwrap_or_else(|e| panic!("attention delta after a support check: {e}"));
+    launch("attention delta", || {
+        attention::backward_delta(&x.q.client, p, &delta_buffers)
+    });
     drop(out);
 
     let acc_shape = Shape::new([b, hk, p.seq_k, d]);
@@ -299,8 +302,9 @@ pub(super) fn backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolE
             probs: probs.handle.clone(),
             dscores: dscores.handle.clone(),
         };
-        attention::block_grad(&x.q.client, p, &block, &buffers)
-            .unwrap_or_else(|e| panic!("attention block gradient after a support check: {e}"));
+        launch("attention block gradient", || {
+            attention::block_grad(&x.q.client, p, &block, &buffers)
+        });
         drop((scores, dprobs));
         let dq = product::<R, F, I, BT>(&grouped(&dscores, hk), &broadcast(&k_r, false), x.q.dtype);
         dqs.push(ungrouped(dq));

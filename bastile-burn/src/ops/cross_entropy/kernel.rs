@@ -16,6 +16,7 @@ use crate::fused::cube::{
     as_rows, contiguous_i32, empty_like, row_alignment, rows_cols, stride_multiple,
 };
 use crate::fused::{DeviceQuery, kernel, kernel_dtype, unpack};
+use crate::launch_failure::launch;
 
 /// Whether the cross-entropy row kernel takes logits of `dtype`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,8 +114,9 @@ impl<R: CubeRuntime> Launch<'_, R> {
             row_scale: self.row_scale.map(|s| s.handle.clone()),
         };
         let x = self.logits;
-        cross_entropy::run(&x.client, &x.device, &problem, &buffers)
-            .unwrap_or_else(|e| panic!("cross-entropy launch after a positive support check: {e}"));
+        launch("cross-entropy", || {
+            cross_entropy::run(&x.client, &x.device, &problem, &buffers)
+        });
     }
 }
 

@@ -10,6 +10,7 @@ use bastile_cubecl::rows::Rows;
 use super::{GegluOss, GegluOssBackward};
 use crate::fused::cube::{as_rows, empty_like, rows_cols, stride_multiple};
 use crate::fused::{kernel, kernel_dtype, unpack};
+use crate::launch_failure::launch;
 
 kernel!(GegluOss, "bastile_geglu_forward", |op, floats, _| {
     let [x] = unpack(floats);
@@ -54,8 +55,9 @@ fn forward<R: CubeRuntime>(x: CubeTensor<R>, alpha: f64, limit: f64) -> CubeTens
         input: x_rows,
         out: out_rows,
     };
-    geglu::forward(&x.client, &x.device, &problem, &buffers)
-        .unwrap_or_else(|e| panic!("GEGLU forward launch after a positive support check: {e}"));
+    launch("GEGLU forward", || {
+        geglu::forward(&x.client, &x.device, &problem, &buffers)
+    });
     out
 }
 
@@ -74,7 +76,8 @@ fn backward<R: CubeRuntime>(
         dout: dout_rows,
         dinput: dx_rows,
     };
-    geglu::backward(&x.client, &x.device, &problem, &buffers)
-        .unwrap_or_else(|e| panic!("GEGLU backward launch after a positive support check: {e}"));
+    launch("GEGLU backward", || {
+        geglu::backward(&x.client, &x.device, &problem, &buffers)
+    });
     dx
 }

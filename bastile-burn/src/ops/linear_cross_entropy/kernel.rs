@@ -12,7 +12,7 @@
 //! f32 `dW` accumulator when there are several chunks.
 
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
+use burn::tensor::{DType, Int, Shape, Tensor, TensorMetadata, TensorPrimitive};
 use burn_cubecl::kernel::matmul::{MatmulStrategy, matmul};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
@@ -23,6 +23,7 @@ use super::LinearGrads;
 use crate::backend::matmul::{matmul_blas, matmul_blas_accumulate};
 use crate::fused::cube::{as_rows, contiguous_i32, empty_like, stride_multiple};
 use crate::fused::{kernel, kernel_dtype};
+use crate::launch_failure::failed;
 use crate::ops::cross_entropy::LossSpec;
 use crate::ops::cross_entropy::kernel::{Launch, problem};
 
@@ -142,8 +143,12 @@ fn mm<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
 ) -> Tensor<Cube<R, F, I, BT>, 2> {
     let (a, b) = (prim(a), prim(b));
     let out = matmul_blas(&a, &b, out_dtype).unwrap_or_else(|| {
-        matmul(a, b, None, MatmulStrategy::default(), out_dtype)
-            .unwrap_or_else(|e| panic!("a loss matmul could not be set up: {e:?}"))
+        let shape = Shape::new([a.shape()[0], b.shape()[1]]);
+        let like = a.clone();
+        matmul(a, b, None, MatmulStrategy::default(), out_dtype).unwrap_or_else(|e| {
+            failed("loss matmul", format!("{e:?}"));
+            empty_like(&like, shape, out_dtype)
+        })
     });
     float(out)
 }

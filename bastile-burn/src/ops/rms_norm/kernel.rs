@@ -12,6 +12,7 @@ use super::{RmsNorm, RmsNormBackward};
 use crate::RmsNormCast;
 use crate::fused::cube::{as_rows, empty_like, row_alignment, rows_cols, stride_multiple};
 use crate::fused::{DeviceQuery, kernel, kernel_dtype, unpack};
+use crate::launch_failure::launch;
 
 /// Whether the RMSNorm kernels take rows of `hidden` elements of `dtype`.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -90,8 +91,9 @@ fn forward<R: CubeRuntime>(
         out: out_rows,
         rstd: rstd.handle.clone(),
     };
-    rms_norm::forward(&x.client, &x.device, &problem, &buffers)
-        .unwrap_or_else(|e| panic!("RMSNorm forward launch after a positive support check: {e}"));
+    launch("RMSNorm forward", || {
+        rms_norm::forward(&x.client, &x.device, &problem, &buffers)
+    });
     (out, rstd)
 }
 
@@ -117,7 +119,8 @@ fn backward<R: CubeRuntime>(
         dx: dx_rows,
         dgamma: dgamma.handle.clone(),
     };
-    rms_norm::backward(&x.client, &x.device, &problem, &buffers)
-        .unwrap_or_else(|e| panic!("RMSNorm backward launch after a positive support check: {e}"));
+    launch("RMSNorm backward", || {
+        rms_norm::backward(&x.client, &x.device, &problem, &buffers)
+    });
     (dx, dgamma)
 }

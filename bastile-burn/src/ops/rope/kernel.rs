@@ -12,6 +12,7 @@ use bastile_cubecl::rope::{self, HeadStrides, HeadTensor, RopeBuffers, RopeProbl
 use super::{Rope, RopeOptions};
 use crate::fused::cube::{empty_like, offset_elems};
 use crate::fused::{kernel, kernel_dtype};
+use crate::launch_failure::launch;
 
 // Inputs `[cos, sin, q]` or `[cos, sin, q, k]`.
 kernel!(Rope, "bastile_rope", |op, mut floats, _| {
@@ -121,7 +122,8 @@ fn rope<R: CubeRuntime>(
         cos: cos.handle.clone(),
         sin: sin.handle.clone(),
     };
-    rope::rope(&q.client, &q.device, &problem, &buffers)
-        .unwrap_or_else(|e| panic!("RoPE launch after validation: {e}"));
+    launch("RoPE", || {
+        rope::rope(&q.client, &q.device, &problem, &buffers)
+    });
     (q_out, k_out)
 }

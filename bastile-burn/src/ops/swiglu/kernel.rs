@@ -11,6 +11,7 @@ use bastile_cubecl::swiglu::{
 use super::{GluTensors, SwiGlu, SwiGluBackward};
 use crate::fused::cube::{as_rows, empty_like, rows_cols, stride_multiple};
 use crate::fused::{kernel, kernel_dtype};
+use crate::launch_failure::launch;
 
 kernel!(SwiGlu, "bastile_swiglu_forward", |_, mut floats, _| {
     let packed = floats.len() == 1;
@@ -98,8 +99,9 @@ fn forward<R: CubeRuntime>(input: GluTensors<CubeTensor<R>>) -> CubeTensor<R> {
         input: pair,
         out: out_rows,
     };
-    swiglu::forward(&first.client, &first.device, &problem, &buffers)
-        .unwrap_or_else(|e| panic!("SwiGLU forward launch after a positive support check: {e}"));
+    launch("SwiGLU forward", || {
+        swiglu::forward(&first.client, &first.device, &problem, &buffers)
+    });
     out
 }
 
@@ -140,7 +142,8 @@ fn backward<R: CubeRuntime>(
         dout: dout_rows,
         grad: grad_pair,
     };
-    swiglu::backward(&first.client, &first.device, &problem, &buffers)
-        .unwrap_or_else(|e| panic!("SwiGLU backward launch after a positive support check: {e}"));
+    launch("SwiGLU backward", || {
+        swiglu::backward(&first.client, &first.device, &problem, &buffers)
+    });
     grads
 }
