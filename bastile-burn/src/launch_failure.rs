@@ -101,7 +101,8 @@ pub fn capture_launch_failures<T>(f: impl FnOnce() -> T) -> (T, Vec<LaunchFailur
 
 /// Whether a launch has failed while a [`capture_launch_failures`] runs
 /// (`false` when none does). An op that writes state in place, like the
-/// fused AdamW, checks it and writes nothing.
+/// fused AdamW, checks it and writes nothing (in the whole process, for
+/// the reason the module docs give).
 pub fn launch_failed() -> bool {
     captures().active.iter().any(|(_, f)| !f.is_empty())
 }

@@ -150,7 +150,9 @@ impl Task for Finetune {
         };
         let tokenizer = source.tokenizer(o.tokenizer.as_deref())?;
         B::seed(&device, o.seed);
+        let loading = Instant::now();
         let model = source.load::<B>(&device)?;
+        let weights_seconds = loading.elapsed().as_secs_f64();
         tokenizer.check_fits(model.config.vocab_size)?;
         let format = o
             .chat_format
@@ -288,7 +290,9 @@ impl Task for Finetune {
         let mut earlier_seconds = 0.0;
         if let Some((dir, state)) = &resumed {
             state.check_resumes(&settings, &trainer.config, dir)?;
+            let loading = Instant::now();
             trainer = trainer.load_state(dir, &device)?;
+            let state_seconds = loading.elapsed().as_secs_f64();
             if trainer.steps() != state.step {
                 return Err(CliError::io(
                     dir,
@@ -299,16 +303,20 @@ impl Task for Finetune {
                     ),
                 ));
             }
+            let skipping = Instant::now();
             sampler.pass_over(state.examples_drawn);
+            let skip_seconds = skipping.elapsed().as_secs_f64();
             drawn = state.examples_drawn;
             earlier_seconds = state.seconds;
             report.losses.clone_from(&state.losses);
             report.eval_losses.clone_from(&state.eval_losses);
             report.tokens = state.tokens;
             eprintln!(
-                "resuming from {} at step {} of {steps}",
+                "resuming from {} at step {} of {steps} (weights loaded in {weights_seconds:.2} s, \
+                 optimizer state in {state_seconds:.2} s, data position in {:.1} ms)",
                 dir.display(),
-                state.step
+                state.step,
+                skip_seconds * 1e3
             );
         }
         let done = trainer.steps();
@@ -323,7 +331,7 @@ impl Task for Finetune {
         eprintln!(
             "finetuning {} ({} layers, hidden {}) on {}: {} examples, {steps} steps of \
              {} x {} {rows}, {dtype:?}, {format:?} chat format{trained}",
-            o.model,
+            source.name(),
             model.config.layers,
             model.config.hidden_size,
             info.describe(),

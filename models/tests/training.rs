@@ -81,6 +81,28 @@ where
     (losses, params(&model))
 }
 
+/// A new trainer and `model` after `steps` steps on `batch`, each of which
+/// must succeed.
+fn trained<B>(
+    config: TrainConfig,
+    mut model: CausalLm<B>,
+    batch: &[MicroBatch<B>],
+    steps: usize,
+) -> (Trainer<B>, CausalLm<B>)
+where
+    B: AutodiffBackend + BastileBackend,
+    B::InnerBackend: BastileBackend,
+    CausalLm<B>: burn::module::AutodiffModule<B>,
+{
+    let mut trainer = Trainer::<B>::new(config).unwrap();
+    for _ in 0..steps {
+        let (m, out) = trainer.step(model, batch);
+        model = m;
+        out.unwrap();
+    }
+    (trainer, model)
+}
+
 /// Every parameter of `model` (path → values).
 fn params<B: burn::tensor::backend::Backend>(model: &CausalLm<B>) -> Vec<(String, Vec<f32>)> {
     model
@@ -132,19 +154,10 @@ fn a_failed_step_is_an_error_and_changes_nothing() {
     ];
 
     // Reference: two good steps.
-    let mut trainer = Trainer::<B>::new(config()).unwrap();
-    let mut model = load();
-    for _ in 0..2 {
-        let (m, out) = trainer.step(model, &good());
-        model = m;
-        out.unwrap();
-    }
-    let reference = params(&model);
+    let reference = params(&trained(config(), load(), &good(), 2).1);
 
     // A good step, a step with a bad label, a step with a NaN, a good step.
-    let mut trainer = Trainer::<B>::new(config()).unwrap();
-    let (model, out) = trainer.step(load(), &good());
-    out.unwrap();
+    let (mut trainer, model) = trained(config(), load(), &good(), 1);
     let before = params(&model);
     let (model, out) = trainer.step(model, &bad_label);
     let err = out.unwrap_err().to_string();
@@ -310,20 +323,11 @@ fn failed_launches_change_nothing() {
             ..config()
         };
         // Reference: two good steps.
-        let mut trainer = Trainer::<B>::new(config()).unwrap();
-        let mut model = load();
-        for _ in 0..2 {
-            let (m, out) = trainer.step(model, &good());
-            model = m;
-            out.unwrap();
-        }
-        let reference = params(&model);
+        let reference = params(&trained(config(), load(), &good(), 2).1);
 
         // A good step, then failed launches: in the backward pass and
         // (fused AdamW only) in the update itself.
-        let mut trainer = Trainer::<B>::new(config()).unwrap();
-        let (mut model, out) = trainer.step(load(), &good());
-        out.unwrap();
+        let (mut trainer, mut model) = trained(config(), load(), &good(), 1);
         let before = params(&model);
         let kernels: &[&str] = match optimizer {
             OptimizerKind::Fused => &["RMSNorm backward", "AdamW update"],
