@@ -15,7 +15,7 @@ pub enum RowReduce {
     Shared,
 }
 
-/// Shared-memory words [`row_sum`] needs for `rows_per_cube` rows of
+/// Shared-memory words [`row_sum()`] needs for `rows_per_cube` rows of
 /// `units_per_row` units.
 pub fn row_sum_scratch(
     reduce: RowReduce,
@@ -31,7 +31,7 @@ pub fn row_sum_scratch(
 }
 
 /// How the units of a cube that holds one row combine their sums on a
-/// client, with the scratch words [`row_sum`] needs for it.
+/// client, with the scratch words [`row_sum()`] needs for it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CubeRowSum {
     pub reduce: RowReduce,
@@ -78,7 +78,7 @@ pub fn row_sum(
 }
 
 /// The maximum of `value` over the units that share a row; the same
-/// contract as [`row_sum`].
+/// contract as [`row_sum()`].
 #[cube]
 pub fn row_max(
     value: f32,
