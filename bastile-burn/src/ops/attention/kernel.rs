@@ -257,14 +257,15 @@ impl<R: CubeRuntime> LaidOut<R> {
 }
 
 /// Runs the tensor-core launch when asked, the tiled one otherwise or when
-/// the tensor cores refuse the problem or layout.
+/// the tensor cores refuse the problem or layout; `kernel` names the launch
+/// in a [launch failure](crate::launch_failure).
 fn tensor_cores_or_tiled(
     tensor_cores: bool,
     mma: impl FnOnce() -> Result<(), KernelError>,
     tiled: impl Fn() -> Result<(), KernelError>,
-    what: &str,
+    kernel: &str,
 ) {
-    launch(&format!("attention {what}"), || {
+    launch(kernel, || {
         if tensor_cores {
             mma().or_else(|_| tiled())
         } else {
@@ -299,7 +300,7 @@ fn forward<R: CubeRuntime>(
         tensor_cores,
         || attention::mma::forward(client, device, &problem, &buffers),
         || attention::forward(client, device, &problem, &buffers),
-        "forward",
+        "attention forward",
     );
     (out, lse)
 }
@@ -345,7 +346,7 @@ fn backward<R: CubeRuntime>(
         tensor_cores,
         || attention::mma::backward(client, device, &problem, &buffers),
         || attention::backward(client, device, &problem, &buffers),
-        "backward",
+        "attention backward",
     );
     AttentionGrads {
         q: dq,

@@ -39,9 +39,9 @@ pub struct CrossEntropyOptions {
     /// Check the labels on the device and hand the result back as
     /// [`CrossEntropyOutput::label_check`](super::CrossEntropyOutput::label_check)
     /// instead of waiting for it: the loss is queued without reading
-    /// anything back, and the caller reads
-    /// the check when it reads the loss (a training step does so once, at
-    /// its end). Until then an out-of-range label counts for nothing.
+    /// anything back, and the caller reads the check when it reads the loss
+    /// (a training step does so once, at its end). Until then an
+    /// out-of-range label counts for nothing.
     pub defer_label_check: bool,
 }
 
