@@ -56,6 +56,7 @@ mod patches;
 
 pub use backend::Bastile;
 pub use bastile_cubecl::rms_norm::RmsNormCast;
+pub use bastile_cubecl::tune::{TUNE_VAR, TunePolicy, set_tune_policy, tune_policy};
 pub use error::BastileError;
 pub use fused::BastileBackend;
 pub use launch_failure::{LaunchFailure, capture_launch_failures, launch_failed};

@@ -2,13 +2,22 @@
 //! problem class, and one CubeCL tunable per candidate slot.
 //!
 //! Each op supplies its key (what the best configuration depends on), its
-//! candidate configurations and a launcher that runs one of them. CubeCL
-//! benchmarks the candidates on first use of a key and keeps the winner in
-//! its persistent cache.
+//! candidate configurations, its default first, and a launcher that runs
+//! one of them. What runs depends on the [`TunePolicy`]: by default the
+//! default configuration, compiled alone, so a fresh machine starts
+//! training in seconds; with [`TunePolicy::Full`] CubeCL benchmarks the
+//! candidates on first use of a key (compiling each) and keeps the winner
+//! in its persistent cache.
+//!
+//! Each list puts first a configuration that was the fastest, or close to
+//! it, on an sm_90 GPU (H100, H200) for the models' shapes; the
+//! same configuration serves other architectures when it fits them (the
+//! lists hold only configurations the device accepts).
 
 use std::collections::HashMap;
 use std::fmt::{Debug, Display};
 use std::hash::Hash;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cubecl::prelude::*;
@@ -16,10 +25,79 @@ use cubecl::tune::{AutotuneKey, LocalTuner, Tunable, TunableSet, TuneGroup};
 
 use crate::KernelError;
 
+/// How tuned ops pick their launch configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TunePolicy {
+    /// Each op's default configuration (the first of its candidates),
+    /// nothing benchmarked: one kernel compiled per op and key.
+    Defaults,
+    /// The candidates are benchmarked on the first use of each key (every
+    /// one compiled), and the fastest is kept in CubeCL's autotune cache:
+    /// minutes on a fresh machine, for the last few percent of a step.
+    Full,
+}
+
+/// The variable that sets the [`TunePolicy`]: `defaults` or `full`.
+pub const TUNE_VAR: &str = "BASTILE_TUNE";
+
+const POLICY_UNSET: u8 = 0;
+const POLICY_DEFAULTS: u8 = 1;
+const POLICY_FULL: u8 = 2;
+static POLICY: AtomicU8 = AtomicU8::new(POLICY_UNSET);
+
+/// The policy in force: the last [`set_tune_policy`], else `BASTILE_TUNE`
+/// (`full` or `defaults`, read once), else [`TunePolicy::Defaults`].
+pub fn tune_policy() -> TunePolicy {
+    let code = match POLICY.load(Ordering::Relaxed) {
+        POLICY_UNSET => {
+            let from_env = match std::env::var(TUNE_VAR) {
+                Err(_) => POLICY_DEFAULTS,
+                Ok(text) => match text.trim() {
+                    "full" => POLICY_FULL,
+                    "defaults" | "" => POLICY_DEFAULTS,
+                    _ => {
+                        eprintln!(
+                            "bastile: {TUNE_VAR}={text:?} is neither `defaults` nor `full`; each op's default configuration runs"
+                        );
+                        POLICY_DEFAULTS
+                    }
+                },
+            };
+            // A concurrent `set_tune_policy` wins over the environment.
+            match POLICY.compare_exchange(
+                POLICY_UNSET,
+                from_env,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => from_env,
+                Err(set) => set,
+            }
+        }
+        code => code,
+    };
+    if code == POLICY_FULL {
+        TunePolicy::Full
+    } else {
+        TunePolicy::Defaults
+    }
+}
+
+/// Sets the policy for the rest of the process (over `BASTILE_TUNE`).
+/// Keys tuned before keep their result.
+pub fn set_tune_policy(policy: TunePolicy) {
+    let code = match policy {
+        TunePolicy::Defaults => POLICY_DEFAULTS,
+        TunePolicy::Full => POLICY_FULL,
+    };
+    POLICY.store(code, Ordering::Relaxed);
+}
+
 /// How many candidates the autotuner benchmarks at most.
 pub const MAX_TUNABLES: usize = 24;
 
-/// How many of a problem's candidates a tuning run benchmarks: all of them
+/// How many of a problem's candidates a tuning run ([`TunePolicy::Full`])
+/// benchmarks: all of them
 /// (up to [`MAX_TUNABLES`]) unless `BASTILE_TUNE_CANDIDATES` holds a smaller
 /// positive count, in which case the first ones (each op lists its default
 /// configuration first). Fewer candidates tune sooner and may miss the
@@ -139,9 +217,11 @@ type Inputs<R, P, Buffers, L, K> = (ComputeClient<R>, P, Buffers, Arc<Vec<L>>, K
 /// tuning leaves the real inputs intact.
 pub type BenchBuffers<R, P, Buffers> = fn(&ComputeClient<R>, &P, &Buffers) -> Buffers;
 
-/// Runs `launch` with the configuration `tuner` picked for `key` on the
-/// device of `id`, tuning it on first use. The tunable set holds one tunable
-/// per candidate slot; each resolves its slot against the problem's list.
+/// Runs `launch` with the first of `candidates`, or under
+/// [`TunePolicy::Full`] with the configuration `tuner` picked for `key` on
+/// the device of `id`, tuning it on first use. The tunable set holds one
+/// tunable per candidate slot; each resolves its slot against the
+/// problem's list.
 #[allow(clippy::too_many_arguments)]
 pub fn run_tuned<R, K, P, Buffers, L>(
     tuner: &'static Tuner<K>,
@@ -193,10 +273,13 @@ where
     Buffers: Clone + Send + Sync + 'static,
     L: Send + Sync + 'static,
 {
-    if candidates.is_empty() {
+    let Some(default) = candidates.first() else {
         return Err(KernelError::Unsupported(format!(
             "no launch configuration fits {key} on this device"
         )));
+    };
+    if tune_policy() == TunePolicy::Defaults {
+        return launch(client, problem, buffers, default);
     }
     let set = tuner.init(move || {
         let group = TuneGroup::<TuneKey<K>>::new("candidates", |_| 0);

@@ -367,11 +367,12 @@ impl Task for Finetune {
         let tokens_before = report.tokens;
         let gpu = info.device != DeviceKind::Cpu;
         if gpu {
-            // The first step compiles and tunes every kernel it meets: minutes
-            // on a machine that has not run this model before, without a
-            // sign of life unless said so.
-            let note = "the first step compiles and tunes the kernels (minutes the first time \
-                        on a machine, seconds once they are cached)";
+            // The first step compiles every kernel it meets: tens of seconds
+            // on a machine that has not run this model before (minutes with
+            // BASTILE_TUNE=full), without a sign of life unless said so.
+            let note = "the first step compiles the kernels (tens of seconds the first time on \
+                        a machine, about a second once cached; `bastile warmup` compiles them \
+                        ahead)";
             if o.progress {
                 bar.set_message(note);
                 bar.enable_steady_tick(Duration::from_millis(500));

@@ -2,7 +2,8 @@
 //! 3.x or GPT-OSS model on a JSONL instruction data set (with Bastile's
 //! fused kernels, or without for the baseline) and exports it in Hugging
 //! Face's format; `generate` answers prompts from one or more models, so a
-//! base model and its finetuned version can be compared side by side.
+//! base model and its finetuned version can be compared side by side;
+//! `warmup` compiles the kernels a model's training will need ahead of it.
 
 pub mod batches;
 pub mod chat;
@@ -15,6 +16,7 @@ pub mod finetune;
 pub mod generate;
 pub mod source;
 pub mod tokenizer;
+pub mod warmup;
 
 use burn::tensor::DType;
 use clap::ValueEnum;

@@ -8,6 +8,7 @@ use bastile_cli::chat::ChatFormat;
 use bastile_cli::device::DeviceKind;
 use bastile_cli::finetune::{self, FinetuneOptions};
 use bastile_cli::generate::{self, GenerateOptions};
+use bastile_cli::warmup::{self, WarmupOptions};
 use bastile_cli::{CliError, DTypeArg};
 use bastile_models::lora::parse_targets;
 use bastile_models::{LoraConfig, OptimizerKind};
@@ -146,6 +147,40 @@ enum Command {
         #[command(flatten)]
         common: Common,
     },
+    /// Compile the kernels a model's training needs at the given lengths
+    /// (one step on random weights and tokens per length), so training
+    /// runs on this machine start at once; nothing is written but the
+    /// kernel caches.
+    Warmup {
+        /// A model directory (only its config.json is read) or a preset
+        /// name.
+        #[arg(long)]
+        model: String,
+        /// Sequence lengths, comma-separated: the padded or packed row
+        /// lengths training will meet (with finetune's defaults, multiples
+        /// of 64 up to --max-seq).
+        #[arg(long, value_delimiter = ',', required = true)]
+        seq: Vec<usize>,
+        /// Rows per micro-batch.
+        #[arg(long, default_value_t = 8)]
+        batch_size: usize,
+        /// Rows of one padded example each (finetune's --no-packing)
+        /// instead of packed rows, whose attention kernels differ.
+        #[arg(long)]
+        no_packing: bool,
+        /// Benchmark every launch candidate of the tuned kernels and keep
+        /// the fastest (BASTILE_TUNE=full for the runs that follow):
+        /// minutes instead of seconds, for the last few percent of a step.
+        #[arg(long)]
+        tune: bool,
+        #[arg(long, value_enum, default_value = "fused")]
+        optimizer: OptimizerArg,
+        /// f32 moments and master weights for bf16/f16 parameters.
+        #[arg(long)]
+        master_weights: bool,
+        #[command(flatten)]
+        common: Common,
+    },
     /// Reply to prompts with one or more models, side by side.
     Generate {
         /// Model directories or presets (repeat to compare models).
@@ -223,10 +258,20 @@ impl LoraArgs {
 /// `--optimizer`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum OptimizerArg {
-    /// Bastile's fused AdamW: one kernel per parameter, the clip folded in.
+    /// Bastile's fused AdamW: a few launches for all parameters, the clip
+    /// folded in.
     Fused,
     /// Burn's AdamW after a separate global-norm clip.
     Burn,
+}
+
+impl OptimizerArg {
+    fn kind(self) -> OptimizerKind {
+        match self {
+            Self::Fused => OptimizerKind::Fused,
+            Self::Burn => OptimizerKind::Burn,
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -292,10 +337,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 warmup_steps,
                 weight_decay,
                 max_grad_norm: (max_grad_norm > 0.0).then_some(max_grad_norm),
-                optimizer: match optimizer {
-                    OptimizerArg::Fused => OptimizerKind::Fused,
-                    OptimizerArg::Burn => OptimizerKind::Burn,
-                },
+                optimizer: optimizer.kind(),
                 master_weights,
                 save_every,
                 keep_last,
@@ -309,6 +351,35 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 merge_lora: lora.merge_lora,
             };
             finetune::run(common.device, !common.no_bastile, options)?;
+        }
+        Command::Warmup {
+            model,
+            seq,
+            batch_size,
+            no_packing,
+            tune,
+            optimizer,
+            master_weights,
+            common,
+        } => {
+            let options = WarmupOptions {
+                model,
+                lengths: seq,
+                batch_size,
+                packing: !no_packing,
+                dtype: common.dtype,
+                optimizer: optimizer.kind(),
+                master_weights,
+                tune,
+                seed: common.seed,
+                progress: std::io::stderr().is_terminal(),
+            };
+            let report = warmup::run(common.device, !common.no_bastile, options)?;
+            let total: f64 = report.steps.iter().map(|(_, s)| s).sum();
+            eprintln!(
+                "warmed up {} length(s) in {total:.1} s; training runs on this machine take their kernels from the cache",
+                report.steps.len()
+            );
         }
         Command::Generate {
             model,

@@ -94,6 +94,16 @@ impl ModelSource {
         }
     }
 
+    /// The model's configuration alone, no weights read: a preset's, a
+    /// directory's `config.json`, or an adapter directory's base model's.
+    pub fn config(&self) -> Result<HfConfig, CliError> {
+        match self {
+            Self::Preset(name) => Ok(presets::preset(name)?),
+            Self::Dir(dir) if dir.join(ADAPTER_CONFIG).is_file() => adapter_base(dir)?.config(),
+            Self::Dir(dir) => Ok(HfConfig::from_file(&dir.join("config.json"))?),
+        }
+    }
+
     /// The tokenizer: `explicit` when given, else the directory's, else
     /// the byte tokenizer for the tiny preset.
     pub fn tokenizer(&self, explicit: Option<&Path>) -> Result<Tokenizer, CliError> {

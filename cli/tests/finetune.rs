@@ -2,14 +2,16 @@
 //! set: the loss falls from the untrained level, checkpoints and the HF
 //! export load back and answer alike, the learned style shows in the
 //! replies, a resumed run repeats the losses of the run that never
-//! stopped, bad options fail before training, and on a GPU runtime the
-//! fused kernels follow the baseline's losses.
+//! stopped, bad options fail before training, on a GPU runtime the fused
+//! kernels follow the baseline's losses, and `bastile warmup` runs one step
+//! per length and refuses what it cannot run.
 
 use std::path::{Path, PathBuf};
 
 use bastile_cli::device::DeviceKind;
 use bastile_cli::finetune::{self, FinetuneOptions, FinetuneReport};
 use bastile_cli::generate::{self, GenerateOptions};
+use bastile_cli::warmup::{self, WarmupOptions};
 use bastile_cli::{CliError, DTypeArg};
 use bastile_cubecl::FloatDtype;
 use bastile_cubecl::testing::{from_bytes, rel_l2, runtime_selected};
@@ -589,4 +591,66 @@ fn fused_kernels_follow_the_baseline_on_vulkan() {
         assert!((a - b).abs() <= 1e-4 * a.abs(), "step {i}: {a} vs {b}");
     }
     assert!(fused[5] < fused[0], "{fused:?}");
+}
+
+fn warmup_options(lengths: Vec<usize>) -> WarmupOptions {
+    WarmupOptions {
+        model: "bastile-tiny".into(),
+        lengths,
+        batch_size: 2,
+        packing: true,
+        dtype: DTypeArg::Auto,
+        optimizer: OptimizerKind::Fused,
+        master_weights: false,
+        tune: false,
+        seed: 7,
+        progress: false,
+    }
+}
+
+#[test]
+fn warmup_runs_one_step_per_length_packed_or_padded() {
+    let _alone = alone();
+    for packing in [true, false] {
+        let o = WarmupOptions {
+            packing,
+            ..warmup_options(vec![16, 48])
+        };
+        let report = warmup::run(DeviceKind::Cpu, true, o).unwrap();
+        let lengths: Vec<usize> = report.steps.iter().map(|&(len, _)| len).collect();
+        assert_eq!(lengths, [16, 48], "packing {packing}");
+        assert!(report.steps.iter().all(|&(_, s)| s > 0.0), "{report:?}");
+    }
+}
+
+#[test]
+fn warmup_refuses_what_it_cannot_run() {
+    // Every refusal comes before the generator is seeded: no turn to wait.
+    let cases: [(Vec<usize>, usize, &str); 4] = [
+        (vec![], 2, "--seq"),
+        (vec![16, 0], 2, "--seq"),
+        (vec![16], 0, "--batch-size"),
+        (vec![1 << 24], 2, "longer than the model's context"),
+    ];
+    for (lengths, batch_size, expected) in cases {
+        let o = WarmupOptions {
+            batch_size,
+            ..warmup_options(lengths.clone())
+        };
+        let e = warmup::run(DeviceKind::Cpu, true, o).unwrap_err();
+        assert!(
+            matches!(e, CliError::Usage(_)) && e.to_string().contains(expected),
+            "{lengths:?}, batch {batch_size}: {e}"
+        );
+    }
+    let o = WarmupOptions {
+        model: "no-such-model".into(),
+        ..warmup_options(vec![16])
+    };
+    let e = warmup::run(DeviceKind::Cpu, true, o).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("neither a model directory nor a preset"),
+        "{e}"
+    );
 }

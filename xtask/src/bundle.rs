@@ -127,11 +127,13 @@ shift 2 2>/dev/null || shift $#
 modules="${{*:-{modules}}}"
 filters=""; for m in $modules; do filters="$filters $m::"; done
 export BASTILE_TEST_RUNTIMES=cuda XDG_RUNTIME_DIR="${{XDG_RUNTIME_DIR:-/tmp}}"
+# The tests tune the tuned entry points; the benchmark runs as users do.
+test_tune="${{BASTILE_TUNE:-full}}"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   for t in {binaries}; do
     echo "== $t:$modules"
-    (cd "$here/tests" && "./$t" --test-threads=1 $filters ${{TEST_ARGS:-}}) 2>&1 | tee "$results/$t.log" || status=1
+    (cd "$here/tests" && BASTILE_TUNE="$test_tune" "./$t" --test-threads=1 $filters ${{TEST_ARGS:-}}) 2>&1 | tee "$results/$t.log" || status=1
   done
 fi
 if [ "$what" = bench ] && [ ! -x "$here/bastile-bench" ]; then

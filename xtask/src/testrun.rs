@@ -17,6 +17,10 @@ use crate::{cargo, cargo_executables, setup, stream_stdout};
 /// benchmarks (`bastile_cubecl::tune::tuned_candidates_limit`).
 const TUNE_CANDIDATES: &str = "BASTILE_TUNE_CANDIDATES";
 
+/// The environment variable choosing between each op's default launch
+/// configuration and tuning (`bastile_cubecl::tune::tune_policy`).
+const TUNE_POLICY: &str = "BASTILE_TUNE";
+
 /// How many of the slowest tests the closing report lists.
 const SLOWEST_SHOWN: usize = 12;
 
@@ -261,7 +265,8 @@ pub fn test(args: &TestArgs) -> Result<(), String> {
     let build_s = started.elapsed().as_secs_f64();
     let mut rows: Vec<(String, RunOutput, f64)> = Vec::new();
     // Every candidate is checked on its own by the `*_every_candidate` tests;
-    // off CUDA the tuned entry points tune among the first two, on CUDA (or
+    // the tuned entry points tune (programs run each op's default instead):
+    // off CUDA among the first two candidates, on CUDA (or
     // with BASTILE_TEST_THOROUGH=1, see `bastile_cubecl::testing::thorough`)
     // among all of them.
     let thorough = std::env::var("BASTILE_TEST_THOROUGH").is_ok_and(|v| v == "1");
@@ -279,6 +284,9 @@ pub fn test(args: &TestArgs) -> Result<(), String> {
             .env("RUSTC_BOOTSTRAP", "1")
             .env("CARGO_MANIFEST_DIR", &b.dir)
             .env("BASTILE_TEST_RUNTIMES", args.runtime());
+        if std::env::var_os(TUNE_POLICY).is_none() {
+            cmd.env(TUNE_POLICY, "full");
+        }
         if cap_tuning {
             cmd.env(TUNE_CANDIDATES, "2");
         }
