@@ -98,8 +98,11 @@ pub fn matmul_host_sync(force: bool) {
 }
 
 /// Forgets the launch configurations autotuned in this process, so the
-/// next call of each op tunes again (CubeCL's on-disk cache is kept).
+/// next call of each op tunes again under [`TunePolicy::Full`] (CubeCL's
+/// on-disk cache is kept).
 pub fn clear_autotune_cache() {
+    bastile_cubecl::attention::clear_autotune();
+    bastile_cubecl::attention::mma::clear_autotune();
     bastile_cubecl::rms_norm::clear_autotune();
     bastile_cubecl::glu::clear_autotune();
     bastile_cubecl::rope::clear_autotune();
