@@ -10,9 +10,9 @@
 //! in its persistent cache.
 //!
 //! Each list puts first a configuration that was the fastest, or close to
-//! it, on an sm_90 GPU (H100, H200) for the models' shapes; the
-//! same configuration serves other architectures when it fits them (the
-//! lists hold only configurations the device accepts).
+//! it, on an sm_90 GPU (H100, H200) for the models' shapes; the same
+//! configuration serves other architectures when it fits them (the lists
+//! hold only configurations the device accepts).
 
 use std::collections::HashMap;
 use std::fmt::{Debug, Display};
@@ -50,18 +50,14 @@ static POLICY: AtomicU8 = AtomicU8::new(POLICY_UNSET);
 pub fn tune_policy() -> TunePolicy {
     let code = match POLICY.load(Ordering::Relaxed) {
         POLICY_UNSET => {
-            let from_env = match std::env::var(TUNE_VAR) {
-                Err(_) => POLICY_DEFAULTS,
-                Ok(text) => match text.trim() {
-                    "full" => POLICY_FULL,
-                    "defaults" | "" => POLICY_DEFAULTS,
-                    _ => {
-                        eprintln!(
-                            "bastile: {TUNE_VAR}={text:?} is neither `defaults` nor `full`; each op's default configuration runs"
-                        );
-                        POLICY_DEFAULTS
-                    }
-                },
+            let text = std::env::var(TUNE_VAR).ok();
+            let from_env = match policy_named(text.as_deref()) {
+                Ok(TunePolicy::Full) => POLICY_FULL,
+                Ok(TunePolicy::Defaults) => POLICY_DEFAULTS,
+                Err(why) => {
+                    eprintln!("bastile: {why}; each op's default configuration runs");
+                    POLICY_DEFAULTS
+                }
             };
             // A concurrent `set_tune_policy` wins over the environment.
             match POLICY.compare_exchange(
@@ -83,6 +79,18 @@ pub fn tune_policy() -> TunePolicy {
     }
 }
 
+/// The policy a value of `BASTILE_TUNE` names (unset or empty: the
+/// defaults), or why it names none.
+fn policy_named(text: Option<&str>) -> Result<TunePolicy, String> {
+    match text.map(str::trim) {
+        None | Some("") | Some("defaults") => Ok(TunePolicy::Defaults),
+        Some("full") => Ok(TunePolicy::Full),
+        Some(other) => Err(format!(
+            "{TUNE_VAR}={other:?} is neither `defaults` nor `full`"
+        )),
+    }
+}
+
 /// Sets the policy for the rest of the process (over `BASTILE_TUNE`).
 /// Keys tuned before keep their result.
 pub fn set_tune_policy(policy: TunePolicy) {
@@ -97,12 +105,12 @@ pub fn set_tune_policy(policy: TunePolicy) {
 pub const MAX_TUNABLES: usize = 24;
 
 /// How many of a problem's candidates a tuning run ([`TunePolicy::Full`])
-/// benchmarks: all of them
-/// (up to [`MAX_TUNABLES`]) unless `BASTILE_TUNE_CANDIDATES` holds a smaller
-/// positive count, in which case the first ones (each op lists its default
-/// configuration first). Fewer candidates tune sooner and may miss the
-/// fastest; every configuration stays reachable through the `*_with` entry
-/// points. Read once per process.
+/// benchmarks: all of them (up to [`MAX_TUNABLES`]) unless
+/// `BASTILE_TUNE_CANDIDATES` holds a smaller positive count, in which case
+/// the first ones (each op lists its default configuration first). Fewer
+/// candidates tune sooner and may miss the fastest; every configuration
+/// stays reachable through the `*_with` entry points. Read once per
+/// process.
 pub fn tuned_candidates_limit() -> usize {
     static LIMIT: OnceLock<usize> = OnceLock::new();
     *LIMIT.get_or_init(|| match std::env::var("BASTILE_TUNE_CANDIDATES") {
@@ -328,4 +336,23 @@ where
         ),
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_variable_names_a_policy_or_is_refused() {
+        for (text, policy) in [
+            (None, TunePolicy::Defaults),
+            (Some(""), TunePolicy::Defaults),
+            (Some("defaults"), TunePolicy::Defaults),
+            (Some(" full\n"), TunePolicy::Full),
+        ] {
+            assert_eq!(policy_named(text), Ok(policy), "{text:?}");
+        }
+        let why = policy_named(Some("fast")).unwrap_err();
+        assert!(why.contains("BASTILE_TUNE=\"fast\""), "{why}");
+    }
 }
