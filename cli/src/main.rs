@@ -4,6 +4,7 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use bastile::kernel_cache::{KERNEL_CACHE_VAR, KernelCache};
 use bastile_cli::chat::ChatFormat;
 use bastile_cli::device::DeviceKind;
 use bastile_cli::finetune::{self, FinetuneOptions};
@@ -277,8 +278,8 @@ impl OptimizerArg {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // Kernels compiled by an earlier run on this machine load from disk.
-    bastile::kernel_cache::use_kernel_cache();
-    match run(cli) {
+    let cache = bastile::kernel_cache::use_kernel_cache();
+    match run(cli, &cache) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
@@ -287,7 +288,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(cli: Cli) -> Result<(), CliError> {
+fn run(cli: Cli, cache: &KernelCache) -> Result<(), CliError> {
     match cli.command {
         Command::Finetune {
             model,
@@ -376,8 +377,21 @@ fn run(cli: Cli) -> Result<(), CliError> {
             };
             let report = warmup::run(common.device, !common.no_bastile, options)?;
             let total: f64 = report.steps.iter().map(|(_, s)| s).sum();
+            let kept = match cache {
+                KernelCache::On(dir) => format!(
+                    "training runs on this machine take their kernels from {}",
+                    dir.display()
+                ),
+                KernelCache::Configured => {
+                    "training runs on this machine take their kernels from the cache cubecl.toml names"
+                        .to_string()
+                }
+                _ => format!(
+                    "but the kernel cache is off ({KERNEL_CACHE_VAR}), so later runs compile them again"
+                ),
+            };
             eprintln!(
-                "warmed up {} length(s) in {total:.1} s; training runs on this machine take their kernels from the cache",
+                "warmed up {} length(s) in {total:.1} s; {kept}",
                 report.steps.len()
             );
         }
