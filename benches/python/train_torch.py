@@ -153,6 +153,16 @@ def one(model_name, impl, batch, seq, steps, attn, lora=None):
         "attention": model.config._attn_implementation,
         "ms_per_step": ms,
         "tokens_per_s": batch * seq / (ms / 1e3),
+        **closing_fields(first_step_s),
+    }
+
+
+def closing_fields(first_step_s):
+    """What every row ends with: this GPU's peak reservation and peak bytes
+    in use since the last reset, the first step's time, and the GPU."""
+    import torch
+
+    return {
         "peak_mib": torch.cuda.max_memory_reserved() / 2**20,
         "in_use_mib": torch.cuda.max_memory_allocated() / 2**20,
         "first_step_s": first_step_s,

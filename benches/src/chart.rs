@@ -408,6 +408,7 @@ mod tests {
             first_step_s: None,
             host_ms: None,
             error: error.map(String::from),
+            devices: 1,
         }
     }
 

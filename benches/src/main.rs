@@ -155,6 +155,12 @@ pub struct Args {
     /// on the PyTorch side).
     #[arg(long, value_name = "R")]
     pub lora: Option<usize>,
+    /// Training: GPU counts to train on data-parallel, e.g. `1,2,4`: one
+    /// worker per GPU, each with its own micro-batch of `--batch` ×
+    /// `--seq`, gradients summed through NCCL (CUDA, a build with feature
+    /// `distributed`, `libnccl.so` on the library path).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub devices: Vec<usize>,
     /// Training: timed steps (after two warm-up steps).
     #[arg(long, default_value_t = 5)]
     pub steps: usize,
@@ -232,6 +238,17 @@ fn main() {
         .expect("clap requires --runtime without --replot");
     let mut report = match runtime {
         Runtime::Cuda => {
+            #[cfg(feature = "distributed")]
+            if args.child && args.devices.first().is_some_and(|&d| d > 1) {
+                args.attention.apply();
+                let imp = *args
+                    .implementation
+                    .first()
+                    .expect("a child measures one --impl");
+                train::run_child_parallel::<cubecl::cuda::CudaRuntime, burn::backend::Cuda>(
+                    &args, imp,
+                );
+            }
             #[cfg(feature = "cuda")]
             {
                 run::<cubecl::cuda::CudaRuntime, burn::backend::Cuda>(&args, "cuda")

@@ -280,6 +280,65 @@ impl Report {
                 num(r.host_ms, 1),
             );
         }
+        s += &self.scaling_markdown();
+        s
+    }
+
+    /// Data-parallel rows against the one-GPU row of the same
+    /// configuration: tokens/s and scaling efficiency (tokens/s over
+    /// GPUs × the one-GPU tokens/s).
+    fn scaling_markdown(&self) -> String {
+        let mut rows: Vec<&crate::train::TrainRow> =
+            self.train.iter().filter(|r| r.devices > 1).collect();
+        if rows.is_empty() {
+            return String::new();
+        }
+        rows.sort_by(|a, b| {
+            (&a.model, a.batch, a.seq, a.devices).cmp(&(&b.model, b.batch, b.seq, b.devices))
+        });
+        let mut s = String::from(
+            "\nData-parallel scaling (one worker per GPU, each with its own micro-batch of batch × seq tokens; gradients summed through NCCL; efficiency: tokens/s ÷ (GPUs × the one-GPU tokens/s of the same run)):\n\n| model | batch | seq per GPU | dtype | implementation | GPUs | ms/step | tokens/s | one GPU tokens/s | efficiency |\n|---|---:|---:|---|---|---:|---:|---:|---:|---:|\n",
+        );
+        for r in rows {
+            let suffix = format!(", {} GPUs", r.devices);
+            let single_name = r.implementation.strip_suffix(&suffix).unwrap_or_default();
+            let single = self.train.iter().find(|o| {
+                o.devices == 1
+                    && o.model == r.model
+                    && o.batch == r.batch
+                    && o.seq == r.seq
+                    && o.dtype == r.dtype
+                    && o.implementation == single_name
+            });
+            let one = single.and_then(|o| o.tokens_per_s);
+            let cell = |v: Option<f64>, digits: usize| {
+                v.map_or_else(String::new, |v| format!("{v:.digits$}"))
+            };
+            let efficiency = match (r.tokens_per_s, one) {
+                (Some(n), Some(one)) => format!("{:.1}%", 100.0 * n / (r.devices as f64 * one)),
+                _ => String::new(),
+            };
+            let ms = r.ms_per_step.map_or_else(
+                || {
+                    r.error
+                        .as_deref()
+                        .map_or("", crate::train::failure_label)
+                        .to_string()
+                },
+                |v| format!("{v:.1}"),
+            );
+            s += &format!(
+                "| {} | {} | {} | {} | {} | {} | {ms} | {} | {} | {efficiency} |\n",
+                r.model,
+                r.batch,
+                r.seq,
+                r.dtype,
+                single_name,
+                r.devices,
+                cell(r.tokens_per_s, 0),
+                cell(one, 0),
+            );
+        }
         s
     }
 

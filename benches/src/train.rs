@@ -76,6 +76,14 @@ pub struct TrainRow {
     pub host_ms: Option<f64>,
     /// Why the run failed (out of memory, ...).
     pub error: Option<String>,
+    /// GPUs training data-parallel, one micro-batch of `batch` × `seq`
+    /// each (`tokens_per_s` counts all of them; memory is the first GPU's).
+    #[serde(default = "one_device")]
+    pub devices: usize,
+}
+
+fn one_device() -> usize {
+    1
 }
 
 const MIB: f64 = (1u64 << 20) as f64;
@@ -130,13 +138,14 @@ pub fn sweep(args: &Args, models: &[String], report: &mut Report) {
             context.min(args.max_seq),
         );
         for &batch in args.batches() {
-            let mut failed: Vec<(TrainImpl, DataLayout)> = Vec::new();
+            let mut failed: Vec<(TrainImpl, DataLayout, usize)> = Vec::new();
             for &seq in &seqs {
-                for (&imp, &layout) in impls
-                    .iter()
-                    .flat_map(|i| args.layout.iter().map(move |l| (i, l)))
-                {
-                    if failed.contains(&(imp, layout)) {
+                for (&imp, &layout, &devices) in impls.iter().flat_map(|i| {
+                    args.layout
+                        .iter()
+                        .flat_map(move |l| args.devices.iter().map(move |d| (i, l, d)))
+                }) {
+                    if failed.contains(&(imp, layout, devices)) {
                         continue;
                     }
                     let mut name = imp.name().to_string();
@@ -149,9 +158,19 @@ pub fn sweep(args: &Args, models: &[String], report: &mut Report) {
                     if let Some(rank) = args.lora {
                         name = format!("{name}, LoRA r{rank}");
                     }
+                    if devices > 1 {
+                        name = format!("{name}, {devices} GPUs");
+                    }
                     let task = format!("train {model} batch {batch} seq {seq} {dtype}: {name}");
                     progress::task(&task);
-                    let mut row = child(&exe, args, &task, model, (batch, seq), imp, layout);
+                    let mut row = child(
+                        &exe,
+                        args,
+                        &task,
+                        model,
+                        (batch, seq),
+                        (imp, layout, devices),
+                    );
                     row.implementation = name;
                     match (&row.ms_per_step, &row.error) {
                         (Some(ms), _) => progress::log(format!(
@@ -161,7 +180,7 @@ pub fn sweep(args: &Args, models: &[String], report: &mut Report) {
                         )),
                         (None, Some(e)) => {
                             progress::log(format!("   failed: {e}"));
-                            failed.push((imp, layout));
+                            failed.push((imp, layout, devices));
                         }
                         (None, None) => {}
                     }
@@ -181,8 +200,7 @@ fn child(
     task: &str,
     model: &str,
     (batch, seq): (usize, usize),
-    imp: TrainImpl,
-    layout: DataLayout,
+    (imp, layout, devices): (TrainImpl, DataLayout, usize),
 ) -> TrainRow {
     let failed = |error: String| TrainRow {
         model: model.into(),
@@ -197,6 +215,7 @@ fn child(
         first_step_s: None,
         host_ms: None,
         error: Some(error),
+        devices,
     };
     let runtime = args
         .runtime
@@ -218,6 +237,7 @@ fn child(
         .args(["--attention", attention_name(args)])
         .args(["--dtype", args.dtype_name()])
         .args(["--layout", layout.name()])
+        .args(["--devices", &devices.to_string()])
         .args(&lora)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -318,34 +338,73 @@ fn attention_name(args: &Args) -> &'static str {
     }
 }
 
-/// In the child: measures one configuration and prints its row.
+/// In the child: measures one configuration on one device and prints its
+/// row.
 pub fn run_child<R, B>(device: &B::Device, args: &Args, imp: TrainImpl)
 where
     R: cubecl::Runtime<Device = B::Device>,
     B: bastile::ops::KernelBackend + BastileBackend,
 {
-    let model = args.model.first().expect("--model");
-    let (batch, seq) = (args.batches()[0], args.seq.as_ref().expect("--seq")[0]);
-    let run = Run {
-        model,
-        imp,
-        batch,
-        seq,
-        dtype: args.dtype(),
-        steps: args.steps,
-        layout: args.layout.first().copied().unwrap_or(DataLayout::Full),
-        lora: args.lora,
-    };
+    if args.devices.first().is_some_and(|&d| d > 1) {
+        report_row(Err(
+            "--devices above 1 needs CUDA and a build with feature `distributed`".into(),
+        ));
+    }
+    let run = Run::from_args(args, imp);
     let row = match imp {
-        TrainImpl::Burn => measure::<R, Autodiff<B>>(device, &run),
+        TrainImpl::Burn => measure::<R, Autodiff<B>>(device, &run, None),
         TrainImpl::BastileKernels | TrainImpl::Bastile => {
-            bastile::apply(Patches {
-                matmul: imp == TrainImpl::Bastile,
-                ..Patches::default()
-            });
-            measure::<R, Autodiff<Bastile<B>>>(device, &run)
+            run.apply_patches();
+            measure::<R, Autodiff<Bastile<B>>>(device, &run, None)
         }
     };
+    report_row(row)
+}
+
+/// In the child: measures one configuration data-parallel over the first
+/// `--devices` GPUs, gradients summed through NCCL.
+#[cfg(feature = "distributed")]
+pub fn run_child_parallel<R, B>(args: &Args, imp: TrainImpl)
+where
+    R: cubecl::Runtime<Device = B::Device>,
+    B: bastile::ops::KernelBackend
+        + BastileBackend
+        + burn::tensor::backend::distributed::DistributedBackend,
+{
+    use bastile_models::{Collective, DataParallelOptions};
+    use burn::tensor::backend::{Device, DeviceId};
+    let count = args.devices[0];
+    let devices: Vec<B::Device> = (0..count)
+        .map(|k| B::Device::from_id(DeviceId::new(0, k as u16)))
+        .collect();
+    let run = Run::from_args(args, imp);
+    let options = DataParallelOptions {
+        wait: Duration::from_secs(args.child_timeout),
+    };
+    let row = match imp {
+        TrainImpl::Burn => Collective::nccl(&devices)
+            .map_err(|e| e.to_string())
+            .and_then(|c| {
+                measure::<R, Autodiff<B>>(&devices[0], &run, Some((devices.clone(), c, options)))
+            }),
+        TrainImpl::BastileKernels | TrainImpl::Bastile => {
+            run.apply_patches();
+            Collective::nccl(&devices)
+                .map_err(|e| e.to_string())
+                .and_then(|c| {
+                    measure::<R, Autodiff<Bastile<B>>>(
+                        &devices[0],
+                        &run,
+                        Some((devices.clone(), c, options)),
+                    )
+                })
+        }
+    };
+    report_row(row)
+}
+
+/// Prints the child's row (or its error, exiting with 1).
+fn report_row(row: Result<TrainRow, String>) -> ! {
     let row = row.unwrap_or_else(|e| {
         eprintln!("{e}");
         std::process::exit(1)
@@ -354,6 +413,33 @@ where
         "{ROW_TAG}{}",
         serde_json::to_string(&row).expect("rows serialize")
     );
+    std::process::exit(0)
+}
+
+impl<'a> Run<'a> {
+    fn from_args(args: &'a Args, imp: TrainImpl) -> Self {
+        let model = args.model.first().expect("--model");
+        let (batch, seq) = (args.batches()[0], args.seq.as_ref().expect("--seq")[0]);
+        Run {
+            model,
+            imp,
+            batch,
+            seq,
+            dtype: args.dtype(),
+            steps: args.steps,
+            layout: args.layout.first().copied().unwrap_or(DataLayout::Full),
+            lora: args.lora,
+        }
+    }
+
+    /// Bastile's patches for this implementation (every op; the matmul
+    /// only for [`TrainImpl::Bastile`]).
+    fn apply_patches(&self) {
+        bastile::apply(Patches {
+            matmul: self.imp == TrainImpl::Bastile,
+            ..Patches::default()
+        });
+    }
 }
 
 /// One configuration a child measures.
@@ -369,11 +455,25 @@ struct Run<'a> {
     lora: Option<usize>,
 }
 
-fn measure<R, A>(device: &A::Device, run: &Run) -> Result<TrainRow, String>
+/// Data-parallel training: every worker's device (the first is the
+/// measuring one), their collective and the wait for a worker.
+type Parallel<A> = (
+    Vec<<A as burn::tensor::backend::BackendTypes>::Device>,
+    bastile_models::Collective<<A as AutodiffBackend>::InnerBackend>,
+    bastile_models::DataParallelOptions,
+);
+
+fn measure<R, A>(
+    device: &A::Device,
+    run: &Run,
+    parallel: Option<Parallel<A>>,
+) -> Result<TrainRow, String>
 where
     R: cubecl::Runtime<Device = A::Device>,
     A: AutodiffBackend + BastileBackend,
     A::InnerBackend: BastileBackend,
+    bastile_models::CausalLm<A>: Send + 'static,
+    MicroBatch<A>: Send,
 {
     let &Run {
         model,
@@ -396,24 +496,40 @@ where
         .map_err(|e| e.to_string())?;
     let vocab = lm.config.vocab_size;
     let timed_steps = steps.max(1);
-    // Each step's micro-batch and its trained tokens.
-    let data: Vec<(MicroBatch<A>, usize)> = if layout == DataLayout::Full {
+    let devices = parallel
+        .as_ref()
+        .map_or_else(|| vec![device.clone()], |(devices, ..)| devices.clone());
+    let workers = devices.len();
+    if workers > 1 && layout != DataLayout::Full {
+        return Err("data-parallel runs train on random tokens (--layout full)".into());
+    }
+    // Each step's micro-batches (one per worker) and their trained tokens.
+    let data: Vec<(Vec<MicroBatch<A>>, usize)> = if layout == DataLayout::Full {
         let uniform = Distribution::Uniform(0.0, vocab as f64);
-        let ids = Tensor::<A, 2, Int>::random([batch, seq], uniform, device);
-        let full = MicroBatch {
-            ids: ids.clone(),
-            labels: ids,
-            positions: None,
-        };
-        vec![(full, batch * seq)]
+        // Each worker's micro-batch on its own device.
+        let full = devices
+            .iter()
+            .map(|device| {
+                let ids = Tensor::<A, 2, Int>::random([batch, seq], uniform, device);
+                MicroBatch {
+                    ids: ids.clone(),
+                    labels: ids,
+                    positions: None,
+                }
+            })
+            .collect();
+        vec![(full, workers * batch * seq)]
     } else {
         micro_batches(layout, batch, seq, vocab, timed_steps, device)
+            .into_iter()
+            .map(|(m, tokens)| (vec![m], tokens))
+            .collect()
     };
     let timed: Vec<usize> = (0..timed_steps).map(|i| i % data.len()).collect();
     // Warm-up: two steps, and one of every other shape the timed steps
     // meet (each new shape compiles and tunes kernels, a cost a long run
     // pays once).
-    let shape = |i: usize| data[i].0.ids.dims();
+    let shape = |i: usize| data[i].0[0].ids.dims();
     let mut warmup = vec![timed[0], timed[0]];
     for &i in &timed {
         if !warmup.iter().any(|&w| shape(w) == shape(i)) {
@@ -425,6 +541,11 @@ where
         ..TrainConfig::default()
     })
     .map_err(|e| e.to_string())?;
+    if let Some((devices, collective, options)) = parallel {
+        trainer = trainer
+            .data_parallel(&lm, &devices, collective, options)
+            .map_err(|e| e.to_string())?;
+    }
     // Kernel compilation and autotuning happen in the warm-up steps.
     // Every step ends with its loss read back, i.e. a device sync.
     let mut times = Vec::new();
@@ -437,7 +558,7 @@ where
         .chain(timed.iter().map(|&i| (i, false)));
     for (n, (i, warm)) in steps.enumerate() {
         let t = Instant::now();
-        let (next, out) = trainer.step(lm, std::slice::from_ref(&data[i].0));
+        let (next, out) = trainer.step(lm, &data[i].0);
         lm = next;
         let out = out.map_err(|e| e.to_string())?;
         let secs = t.elapsed().as_secs_f64();
@@ -489,7 +610,7 @@ where
     let largest = (0..data.len())
         .max_by_key(|&i| shape(i).iter().product::<usize>())
         .expect("at least one micro-batch");
-    let (_, out) = trainer.step(lm, std::slice::from_ref(&data[largest].0));
+    let (_, out) = trainer.step(lm, &data[largest].0);
     stop.store(true, Ordering::Relaxed);
     out.map_err(|e| e.to_string())?;
     let in_use = sampler.join().map_err(|_| "the memory sampler panicked")?;
@@ -504,7 +625,7 @@ where
         // Full rows: the median step's; a data set's steps differ in size,
         // so its trained (non-padding) tokens over the timed steps' time.
         tokens_per_s: Some(match layout {
-            DataLayout::Full => (batch * seq) as f64 / secs,
+            DataLayout::Full => (workers * batch * seq) as f64 / secs,
             _ => tokens as f64 / total,
         }),
         peak_mib: Some(usage.bytes_reserved as f64 / MIB),
@@ -512,6 +633,7 @@ where
         first_step_s: Some(first_step),
         host_ms: Some(median(host) * 1e3),
         error: None,
+        devices: workers,
     })
 }
 

@@ -61,6 +61,13 @@ pub struct RunSettings {
     pub examples: usize,
     /// [`fingerprint`] of the tokenized data set.
     pub data: u64,
+    /// GPUs training data-parallel (`--devices`).
+    #[serde(default = "one_device")]
+    pub devices: usize,
+}
+
+fn one_device() -> usize {
+    1
 }
 
 /// The settings in which a run differs from a checkpoint's, each as
@@ -95,6 +102,7 @@ impl RunState {
         let mut d = Differences::default();
         d.compare("--batch-size", now.batch_size, then.batch_size);
         d.compare("--grad-accum", now.grad_accum, then.grad_accum);
+        d.compare("--devices", now.devices, then.devices);
         d.compare("--seed", now.seed, then.seed);
         d.compare(
             "padding to a multiple of",

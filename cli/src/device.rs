@@ -3,6 +3,7 @@
 //! for the baseline, or Burn's CPU backend where no GPU is present.
 
 use bastile::{Bastile, BastileBackend};
+use bastile_models::{CausalLm, Collective, MicroBatch};
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::backend::AutodiffBackend;
 use clap::ValueEnum;
@@ -57,12 +58,31 @@ impl RunInfo {
 }
 
 /// Work generic over the training backend.
-pub trait Task {
+pub trait Task: Sized {
     type Output;
     fn run<B>(self, device: B::Device, info: RunInfo) -> Result<Self::Output, CliError>
     where
         B: AutodiffBackend + BastileBackend,
         B::InnerBackend: BastileBackend;
+
+    /// [`Task::run`] data-parallel over `devices` (the first is the one
+    /// `run` would get), through `collective`; a task that runs on one
+    /// device says so.
+    fn run_data_parallel<B>(
+        self,
+        devices: Vec<B::Device>,
+        collective: Collective<B::InnerBackend>,
+        info: RunInfo,
+    ) -> Result<Self::Output, CliError>
+    where
+        B: AutodiffBackend + BastileBackend,
+        B::InnerBackend: BastileBackend,
+        CausalLm<B>: Send + 'static,
+        MicroBatch<B>: Send,
+    {
+        let _ = (devices, collective, info);
+        Err(CliError::Usage("this command runs on one device".into()))
+    }
 }
 
 /// Runs `task` on the backend `kind` and `bastile` select.
@@ -87,6 +107,72 @@ pub fn dispatch<T: Task>(kind: DeviceKind, bastile: bool, task: T) -> Result<T::
         (DeviceKind::Vulkan, b) => vulkan(b, task, info),
         _ => task.run::<Autodiff<NdArray>>(Default::default(), info),
     }
+}
+
+/// Runs `task` data-parallel on the first `devices` CUDA GPUs (NCCL sums
+/// the gradients), or as [`dispatch`] does for one device.
+pub fn dispatch_data_parallel<T: Task>(
+    kind: DeviceKind,
+    bastile: bool,
+    devices: usize,
+    task: T,
+) -> Result<T::Output, CliError> {
+    if devices <= 1 {
+        return dispatch(kind, bastile, task);
+    }
+    match kind {
+        DeviceKind::Cuda | DeviceKind::Auto => cuda_data_parallel(bastile, devices, task),
+        _ => Err(CliError::Usage(format!(
+            "--devices {devices} trains on several CUDA GPUs (--device cuda); --device {} runs \
+             on one",
+            kind.to_possible_value()
+                .map_or(String::new(), |v| v.get_name().to_string())
+        ))),
+    }
+}
+
+#[cfg(feature = "distributed")]
+fn cuda_data_parallel<T: Task>(
+    bastile: bool,
+    count: usize,
+    task: T,
+) -> Result<T::Output, CliError> {
+    use burn::backend::Cuda;
+    use burn::tensor::backend::{Backend, Device, DeviceId};
+    if !cuda_present() {
+        return Err(CliError::Usage(
+            "--devices: no CUDA GPU or driver found on this machine".into(),
+        ));
+    }
+    let present = <Cuda as Backend>::device_count(0);
+    if count > present {
+        return Err(CliError::Usage(format!(
+            "--devices {count}: this machine has {present} CUDA GPU{}",
+            if present == 1 { "" } else { "s" }
+        )));
+    }
+    let devices: Vec<<Cuda as burn::tensor::backend::BackendTypes>::Device> = (0..count)
+        .map(|k| Device::from_id(DeviceId::new(0, k as u16)))
+        .collect();
+    let info = RunInfo {
+        device: DeviceKind::Cuda,
+        bastile,
+    };
+    if bastile {
+        let collective = Collective::nccl(&devices)?;
+        task.run_data_parallel::<Autodiff<Bastile<Cuda>>>(devices, collective, info)
+    } else {
+        let collective = Collective::nccl(&devices)?;
+        task.run_data_parallel::<Autodiff<Cuda>>(devices, collective, info)
+    }
+}
+
+#[cfg(not(feature = "distributed"))]
+fn cuda_data_parallel<T: Task>(_: bool, count: usize, _: T) -> Result<T::Output, CliError> {
+    Err(CliError::Usage(format!(
+        "--devices {count}: this `bastile` was built without data-parallel training (feature \
+         `distributed`)"
+    )))
 }
 
 #[cfg(feature = "cuda")]

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use bastile::BastileBackend;
 use bastile_models::{
-    CausalLm, LoraConfig, MicroBatch, ModelError, OptimizerKind, TrainConfig, Trainer,
+    CausalLm, Collective, DataParallelOptions, LoraConfig, MicroBatch, ModelError, OptimizerKind,
+    TrainConfig, Trainer,
 };
 use burn::module::Module;
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -19,7 +20,7 @@ use crate::batches::{Batcher, Sampler, packed_rows};
 use crate::chat::ChatFormat;
 use crate::checkpoint::{RunSettings, RunState, fingerprint, prune, write_dir_atomically};
 use crate::data;
-use crate::device::{DeviceKind, RunInfo, Task, dispatch};
+use crate::device::{DeviceKind, RunInfo, Task, dispatch_data_parallel};
 use crate::eval::hold_out;
 use crate::source::{ModelSource, RECORD, is_adapter_dir, recorder};
 use crate::{CliError, DTypeArg};
@@ -86,6 +87,9 @@ pub struct FinetuneOptions {
     /// With adapters, also write `final-merged/`: the adapters folded into
     /// the weights, as an HF checkpoint.
     pub merge_lora: bool,
+    /// CUDA GPUs to train on data-parallel (1: the one `--device` picks):
+    /// each step takes `grad_accum` micro-batches per GPU.
+    pub devices: usize,
 }
 
 /// What a finetuning run did.
@@ -119,20 +123,64 @@ pub const MAX_SKIPPED_IN_A_ROW: usize = 8;
 pub struct Finetune(pub FinetuneOptions);
 
 /// `bastile finetune`: trains on the backend `device` and `bastile` select
-/// (see [`dispatch`]). Not generic, so the training code is compiled once,
+/// (see [`crate::device::dispatch`]), on `options.devices` CUDA GPUs
+/// data-parallel when above 1. Not generic, so the training code is compiled once,
 /// here, for every backend, rather than again in each caller.
 pub fn run(
     device: DeviceKind,
     bastile: bool,
     options: FinetuneOptions,
 ) -> Result<FinetuneReport, CliError> {
-    dispatch(device, bastile, Finetune(options))
+    let devices = options.devices;
+    dispatch_data_parallel(device, bastile, devices, Finetune(options))
 }
 
 impl Task for Finetune {
     type Output = FinetuneReport;
 
     fn run<B>(self, device: B::Device, info: RunInfo) -> Result<FinetuneReport, CliError>
+    where
+        B: AutodiffBackend + BastileBackend,
+        B::InnerBackend: BastileBackend,
+    {
+        let devices = vec![device.clone()];
+        self.train::<B>(device, info, |trainer, _| Ok((trainer, devices)))
+    }
+
+    fn run_data_parallel<B>(
+        self,
+        devices: Vec<B::Device>,
+        collective: Collective<B::InnerBackend>,
+        info: RunInfo,
+    ) -> Result<FinetuneReport, CliError>
+    where
+        B: AutodiffBackend + BastileBackend,
+        B::InnerBackend: BastileBackend,
+        CausalLm<B>: Send + 'static,
+        MicroBatch<B>: Send,
+    {
+        let first = devices[0].clone();
+        self.train::<B>(first, info, move |trainer, model| {
+            let options = DataParallelOptions::default();
+            let trainer = trainer.data_parallel(model, &devices, collective, options)?;
+            Ok((trainer, devices))
+        })
+    }
+}
+
+impl Finetune {
+    /// The run on `device`; `parallel` makes the trainer data-parallel
+    /// (or returns it as it is) once the model is loaded, with every
+    /// worker's device (`device` first).
+    fn train<B>(
+        self,
+        device: B::Device,
+        info: RunInfo,
+        parallel: impl FnOnce(
+            Trainer<B>,
+            &CausalLm<B>,
+        ) -> Result<(Trainer<B>, Vec<B::Device>), CliError>,
+    ) -> Result<FinetuneReport, CliError>
     where
         B: AutodiffBackend + BastileBackend,
         B::InnerBackend: BastileBackend,
@@ -224,7 +272,7 @@ impl Task for Finetune {
             }
             (None, _) => model,
         };
-        let per_step = o.batch_size * o.grad_accum;
+        let per_step = o.batch_size * o.grad_accum * o.devices;
         let multiple = o.pad_to_multiple.unwrap_or(info.pad_multiple());
         // Packed rows hold the longest example (rounded up to the padding
         // multiple, within --max-seq): no batch needs more memory than the
@@ -271,8 +319,9 @@ impl Task for Finetune {
             lora: o.lora.as_ref().map(lora_setting),
             examples: set.examples.len(),
             data: fingerprint(&set.examples),
+            devices: o.devices,
         };
-        let mut trainer = Trainer::<B>::new(config)?;
+        let (mut trainer, devices) = parallel(Trainer::<B>::new(config)?, &model)?;
         let mut sampler = Sampler::new(set.examples.len(), o.seed);
         let mut report = FinetuneReport {
             losses: Vec::with_capacity(steps),
@@ -383,15 +432,17 @@ impl Task for Finetune {
         let mut skipped_in_a_row = 0;
         while trainer.steps() < steps {
             let step = trainer.steps() + 1;
-            let mut micro = Vec::with_capacity(o.grad_accum);
+            // Data-parallel: `grad_accum` micro-batches for each GPU, in
+            // order, each put on its GPU (the trainer shares them out).
+            let mut micro = Vec::with_capacity(o.grad_accum * o.devices);
             let mut batch_tokens = 0;
-            for _ in 0..o.grad_accum {
+            for i in 0..o.grad_accum * o.devices {
                 let (batch, count) = batcher
                     .next(&mut order, &set.examples)
                     .expect("the sampler never ends");
                 drawn += count;
                 batch_tokens += batch.tokens;
-                micro.push(batch.to_device(&device));
+                micro.push(batch.to_device(&devices[i / o.grad_accum]));
             }
             let (m, out) = trainer.step(model, &micro);
             model = m;
@@ -516,6 +567,7 @@ fn check_options(o: &FinetuneOptions) -> Result<(), CliError> {
         ("--save-every", o.save_every.unwrap_or(1)),
         ("--keep-last", o.keep_last.unwrap_or(1)),
         ("--eval-every", o.eval_every.unwrap_or(1)),
+        ("--devices", o.devices),
         ("--steps", o.steps.unwrap_or(1)),
         ("--epochs", o.epochs.unwrap_or(1)),
     ];

@@ -84,9 +84,15 @@ enum Command {
         /// the CPU).
         #[arg(long)]
         pad_to_multiple: Option<usize>,
-        /// Micro-batches per optimizer step.
+        /// Micro-batches per optimizer step (per GPU with --devices).
         #[arg(long, default_value_t = 1)]
         grad_accum: usize,
+        /// Train data-parallel on the first N CUDA GPUs: a replica of the
+        /// model on each, every one taking its own micro-batches, the
+        /// gradients summed through NCCL (libnccl.so on the library path)
+        /// before each update. Checkpoints are written once.
+        #[arg(long, value_name = "N", default_value_t = 1)]
+        devices: usize,
         /// Passes over the data (default: 60 for the tiny preset, which
         /// starts from random weights, else 3).
         #[arg(long)]
@@ -299,6 +305,7 @@ fn run(cli: Cli, cache: &KernelCache) -> Result<(), CliError> {
             no_packing,
             pad_to_multiple,
             grad_accum,
+            devices,
             epochs,
             steps,
             lr,
@@ -350,6 +357,7 @@ fn run(cli: Cli, cache: &KernelCache) -> Result<(), CliError> {
                 log_every,
                 lora: lora.config()?,
                 merge_lora: lora.merge_lora,
+                devices,
             };
             finetune::run(common.device, !common.no_bastile, options)?;
         }

@@ -57,6 +57,7 @@ fn options(output: PathBuf, steps: usize) -> FinetuneOptions {
         log_every: 20,
         lora: None,
         merge_lora: false,
+        devices: 1,
     }
 }
 
@@ -537,6 +538,17 @@ fn bad_options_fail_before_training() {
     o.model = "no-such-model".into();
     let e = finetune(DeviceKind::Cpu, false, o).unwrap_err().to_string();
     assert!(e.contains("neither a model directory nor a preset"), "{e}");
+    let mut o = options(temp_dir("bad"), 1);
+    o.devices = 0;
+    let e = finetune(DeviceKind::Cpu, false, o).unwrap_err().to_string();
+    assert!(e.contains("--devices must be at least 1"), "{e}");
+    let mut o = options(temp_dir("bad"), 1);
+    o.devices = 2;
+    let e = finetune(DeviceKind::Cpu, false, o).unwrap_err().to_string();
+    assert!(
+        e.contains("--devices 2 trains on several CUDA GPUs (--device cuda)"),
+        "{e}"
+    );
     let mut o = options(temp_dir("bad"), 1);
     o.dtype = DTypeArg::Bf16;
     let e = finetune(DeviceKind::Cpu, false, o).unwrap_err().to_string();

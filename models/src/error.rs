@@ -38,6 +38,10 @@ pub enum ModelError {
     /// errors are [`ModelError::Step`]).
     #[error("{0}")]
     Device(String),
+    /// A worker of a data-parallel trainer (see [`crate::parallel`]) that
+    /// failed or stopped answering; the run cannot go on.
+    #[error("data-parallel worker {worker}: {message}")]
+    Worker { worker: usize, message: String },
     /// A tensor-level mistake reported by Bastile (shape, dtype, device).
     #[error(transparent)]
     Bastile(#[from] bastile::BastileError),
@@ -60,6 +64,27 @@ impl ModelError {
         Self::Io {
             path: path.into(),
             source,
+        }
+    }
+
+    /// This error as data-parallel worker `worker` reports it: a step's
+    /// error keeps its kind (a non-finite step stays one) and names the
+    /// worker; any other becomes [`ModelError::Worker`].
+    pub(crate) fn on_worker(self, worker: usize) -> Self {
+        match self {
+            Self::Step { step, message } => Self::Step {
+                step,
+                message: format!("worker {worker}: {message}"),
+            },
+            Self::NonFinite { step, message } => Self::NonFinite {
+                step,
+                message: format!("worker {worker}: {message}"),
+            },
+            Self::Worker { .. } => self,
+            other => Self::Worker {
+                worker,
+                message: other.to_string(),
+            },
         }
     }
 }

@@ -14,6 +14,7 @@ pub mod lora;
 pub mod mlp;
 pub mod model;
 pub mod moe;
+pub mod parallel;
 pub mod presets;
 pub mod train;
 
@@ -21,4 +22,5 @@ pub use config::{Architecture, HfConfig, ModelConfig, MoeConfig};
 pub use error::ModelError;
 pub use lora::{LoraConfig, LoraTarget};
 pub use model::{CausalLm, packed_labels};
+pub use parallel::{Collective, DataParallelOptions};
 pub use train::{MicroBatch, OptimizerKind, StepOutput, TrainConfig, Trainer};

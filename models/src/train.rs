@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use crate::clip::clip_grad_norm;
 use crate::model::{IdCheck, packed_labels};
+use crate::parallel::{Cause, Peers, World, combine, shares};
 use crate::{CausalLm, ModelError};
 
 /// Optimizer and schedule settings (HF `TrainingArguments` names where
@@ -128,10 +129,22 @@ impl TrainConfig {
 /// One micro-batch: token ids and (unshifted) labels, `[batch, seq]`,
 /// and for rows that pack several documents each token's place in its
 /// document (see [`CausalLm::loss_packed`]).
+#[derive(Clone, Debug)]
 pub struct MicroBatch<B: AutodiffBackend> {
     pub ids: Tensor<B, 2, Int>,
     pub labels: Tensor<B, 2, Int>,
     pub positions: Option<Tensor<B, 2, Int>>,
+}
+
+impl<B: AutodiffBackend> MicroBatch<B> {
+    /// The same batch on `device`.
+    pub fn to_device(self, device: &B::Device) -> Self {
+        Self {
+            ids: self.ids.to_device(device),
+            labels: self.labels.to_device(device),
+            positions: self.positions.map(|p| p.to_device(device)),
+        }
+    }
 }
 
 /// The loss of one micro-batch's tensors on `X` (the training backend or
@@ -169,11 +182,17 @@ enum TrainOptimizer<B: AutodiffBackend + BastileBackend> {
     Burn(OptimizerAdaptor<AdamW, CausalLm<B>, B>),
 }
 
-/// AdamW + schedule + accumulation state.
+/// AdamW + schedule + accumulation state; with
+/// [`Trainer::data_parallel`], worker 0 of several (see
+/// [`crate::parallel`]).
 pub struct Trainer<B: AutodiffBackend + BastileBackend> {
     pub config: TrainConfig,
     optimizer: TrainOptimizer<B>,
     step: usize,
+    /// This worker's place among data-parallel workers.
+    pub(crate) world: Option<World<B>>,
+    /// The other workers, when this is worker 0.
+    pub(crate) peers: Option<Peers<B>>,
 }
 
 impl<B> Trainer<B>
@@ -203,6 +222,8 @@ where
             config,
             optimizer,
             step: 0,
+            world: None,
+            peers: None,
         })
     }
 
@@ -282,11 +303,14 @@ where
     /// on the same schedule. The config must be the one the state was
     /// saved with (an error names both otherwise), and the model must be
     /// the checkpoint's, loaded from its record (the state is keyed by its
-    /// parameters' ids).
+    /// parameters' ids). A data-parallel trainer's workers each load it.
     pub fn load_state(mut self, dir: &Path, device: &B::Device) -> Result<Self, ModelError>
     where
         CausalLm<B>: AutodiffModule<B>,
     {
+        if let Some(peers) = &mut self.peers {
+            peers.load_state(dir)?;
+        }
         let state_path = dir.join(TRAINER_STATE);
         let state: TrainerState = crate::error::read_json(&state_path)?;
         if state.config != self.config {
@@ -345,6 +369,11 @@ where
     /// read before it runs (one wait inside the step). Rows shorter than
     /// two positions are an error before anything runs. The model comes
     /// back either way.
+    ///
+    /// Data-parallel ([`Trainer::data_parallel`]), `micro_batches` are
+    /// every worker's, shared out in order, and the step returns once all
+    /// workers are done; see [`crate::parallel`] for what a failing worker
+    /// does.
     pub fn step(
         &mut self,
         model: CausalLm<B>,
@@ -353,9 +382,75 @@ where
     where
         CausalLm<B>: AutodiffModule<B>,
     {
+        let Some(peers) = &mut self.peers else {
+            let (model, out, _) = self.step_here(model, micro_batches);
+            return (model, out);
+        };
+        if let Some(e) = peers.failure() {
+            return (model, Err(e));
+        }
+        let mut shares = match shares(micro_batches.to_vec(), peers.workers()) {
+            Ok(shares) => shares,
+            Err(e) => return (model, Err(e)),
+        };
+        let own = shares.remove(0);
+        if let Err(e) = peers.send_shares(shares) {
+            return (model, Err(e));
+        }
+        let step = self.step + 1;
+        let (model, out, cause) = self.step_here(model, &own);
+        let peers = self.peers.as_mut().expect("data-parallel");
+        if peers.stepping() {
+            // Worker 0 failed before it read its results, which it does
+            // after the others answer (see `read_after_peers`): it may not
+            // have queued its part of the collective operations, which the
+            // others then wait on forever.
+            let e = match out {
+                Err(e) => e,
+                Ok(_) => ModelError::Config("the step ended before the workers answered".into()),
+            };
+            peers.fail_here(&e);
+            return (model, Err(e));
+        }
+        let outcomes = match peers.take_outcomes(step) {
+            Ok(outcomes) => outcomes,
+            Err(e) => return (model, Err(e)),
+        };
+        // Workers that disagree on whether the step applied (one failed
+        // before its collective operations), or sums that gave up on a
+        // worker, leave replicas that differ: the run cannot go on.
+        let applied = out.is_ok();
+        let split = outcomes.iter().any(|(o, _)| o.is_ok() != applied);
+        let mut out = combine((out, cause), outcomes);
+        let broken = self.world.as_ref().is_some_and(World::broken);
+        if broken {
+            out = Err(ModelError::Worker {
+                worker: 0,
+                message: format!(
+                    "a sum over the workers waited longer than {:.0} s for another worker",
+                    peers.wait().as_secs_f64()
+                ),
+            });
+        }
+        if let (true, Err(e)) = (split || broken, &out) {
+            peers.fail_here(e);
+        }
+        (model, out)
+    }
+
+    /// [`Trainer::step`] on this worker's own micro-batches; the error's
+    /// [`Cause`] tells a data-parallel step where it came from.
+    pub(crate) fn step_here(
+        &mut self,
+        model: CausalLm<B>,
+        micro_batches: &[MicroBatch<B>],
+    ) -> (CausalLm<B>, Result<StepOutput, ModelError>, Cause)
+    where
+        CausalLm<B>: AutodiffModule<B>,
+    {
         if micro_batches.is_empty() {
             let e = ModelError::Config("a step needs at least one micro-batch".into());
-            return (model, Err(e));
+            return (model, Err(e), Cause::Early);
         }
         let step = self.step + 1;
         let started = Instant::now();
@@ -364,16 +459,22 @@ where
         let Applied {
             model,
             verdict,
+            mut cause,
             host,
             counted,
         } = applied;
         // A failed launch leaves every later result meaningless (a loss or
         // norm read from it may look fine, or not finite): it is the error.
         let verdict = match failures.first() {
-            Some(failure) => Err(ModelError::Step {
-                step,
-                message: format!("{failure}; the step was skipped and no parameter changed"),
-            }),
+            Some(failure) => {
+                if cause == Cause::Elsewhere {
+                    cause = Cause::Here;
+                }
+                Err(ModelError::Step {
+                    step,
+                    message: format!("{failure}; the step was skipped and no parameter changed"),
+                })
+            }
             None => verdict,
         };
         if verdict.is_err()
@@ -391,7 +492,7 @@ where
                 host_seconds: host.as_secs_f64(),
             }
         });
-        (model, out)
+        (model, out, cause)
     }
 
     /// Queues step number `step`, applies the optimizer unless the step must
@@ -412,6 +513,7 @@ where
                 return Applied {
                     model,
                     verdict: Err(e),
+                    cause: Cause::Early,
                     host: started.elapsed(),
                     counted: false,
                 };
@@ -420,20 +522,24 @@ where
         let lr = self.config.lr_at(step - 1);
         match &mut self.optimizer {
             TrainOptimizer::Fused(adamw) => {
-                let skip = queued.results.skip().inner();
+                let skip = queued.results.skip.clone().inner();
                 let model = adamw.step_unless(lr, model, queued.grads, skip);
                 let norm = adamw.last_norm().map(Tensor::from_inner);
                 let host = started.elapsed();
+                let (verdict, cause) =
+                    read_after_peers(&mut self.peers, queued.results, step, norm);
                 Applied {
                     model,
-                    verdict: queued.results.read(step, norm),
+                    verdict,
+                    cause,
                     host,
                     counted: true,
                 }
             }
             TrainOptimizer::Burn(adamw) => {
                 let passes = started.elapsed();
-                let verdict = queued.results.read(step, None);
+                let (verdict, cause) =
+                    read_after_peers(&mut self.peers, queued.results, step, None);
                 let optimizer = Instant::now();
                 let model = if verdict.is_ok() && !bastile::launch_failed() {
                     let grads = match self.config.max_grad_norm {
@@ -447,6 +553,7 @@ where
                 Applied {
                     model,
                     verdict,
+                    cause,
                     host: passes + optimizer.elapsed(),
                     counted: false,
                 }
@@ -481,7 +588,11 @@ where
             }
         }
         let device = micro_batches[0].labels.device();
-        let total = total.unwrap_or_else(|| Tensor::zeros([1], &device));
+        let mut total = total.unwrap_or_else(|| Tensor::zeros([1], &device));
+        if let Some(world) = &self.world {
+            // Every worker's loss is divided by the tokens of all of them.
+            total = world.sum_int(total);
+        }
         let divisor = total.clone().float().clamp_min(1.0);
         let options = CrossEntropyOptions::default()
             .with_reduction(Reduction::Sum)
@@ -505,14 +616,27 @@ where
             let grads = GradientsParams::from_grads(loss.backward(), model);
             accumulator.accumulate(model, grads);
         }
+        let mut grads = accumulator.grads();
+        let mut loss = Tensor::cat(losses, 0).sum();
+        let own_skip = skip_flag(&loss, &total, &checks, &id_checks);
+        let skip = match &self.world {
+            Some(world) => {
+                grads = world.sum_grads(model, grads, &device);
+                loss = world.sum(loss);
+                world.any(own_skip.clone().bool_or(skip_flag(&loss, &total, &[], &[])))
+            }
+            None => own_skip.clone(),
+        };
         Ok(QueuedStep {
-            grads: accumulator.grads(),
+            grads,
             results: StepResults {
-                loss: Tensor::cat(losses, 0).sum(),
+                loss,
                 tokens: total,
                 checks,
                 id_checks,
                 seq: micro_batches.iter().map(|m| m.labels.dims()[1]).collect(),
+                skip,
+                own_skip: self.world.as_ref().map(|_| own_skip),
             },
         })
     }
@@ -543,6 +667,8 @@ struct Applied<B: AutodiffBackend> {
     model: CausalLm<B>,
     /// `(loss, tokens)`, or the step's error.
     verdict: Result<(f64, usize), ModelError>,
+    /// Where the error came from.
+    cause: Cause,
     /// The host time spent queueing the step.
     host: Duration,
     /// Whether the fused AdamW counted the step (it does before it knows
@@ -566,6 +692,12 @@ struct StepResults<B: AutodiffBackend> {
     /// Each micro-batch's sequence length, to name an offending label's
     /// row and column.
     seq: Vec<usize>,
+    /// `[1]`: the step must change nothing (on every worker, when
+    /// data-parallel).
+    skip: Tensor<B, 1, Bool>,
+    /// Data-parallel: `[1]`, this worker's own checks failed (when
+    /// `skip` is set but not this, another worker's did).
+    own_skip: Option<Tensor<B, 1, Bool>>,
 }
 
 /// A tensor's values, read back (this waits for the device); an error the
@@ -586,26 +718,80 @@ fn read_back<B: Backend, K: BasicOps<B>, E: Element>(
         .map_err(|e| error(format!("results could not be read: {e:?}")))
 }
 
+/// `[1]` on the device: the step must change nothing (an input id or
+/// label out of range, no label that counts, a loss that is not finite).
+fn skip_flag<B: AutodiffBackend>(
+    loss: &Tensor<B, 1>,
+    tokens: &Tensor<B, 1, Int>,
+    checks: &[LabelCheck<B>],
+    id_checks: &[IdCheck<B>],
+) -> Tensor<B, 1, Bool> {
+    let mut skip = loss.clone().is_nan().bool_or(loss.clone().is_inf());
+    skip = skip.bool_or(tokens.clone().equal_elem(0));
+    for check in checks {
+        skip = skip.bool_or(check.failed());
+    }
+    for check in id_checks {
+        skip = skip.bool_or(check.failed());
+    }
+    skip
+}
+
+/// Worker 0 of a data-parallel step waits for the other workers before it
+/// reads its own results: a worker that failed before queuing its share of
+/// the collective operations would leave worker 0's device, and that read,
+/// waiting forever. The others read theirs at once.
+fn read_after_peers<B: AutodiffBackend>(
+    peers: &mut Option<Peers<B>>,
+    results: StepResults<B>,
+    step: usize,
+    norm: Option<Tensor<B, 1>>,
+) -> (Result<(f64, usize), ModelError>, Cause) {
+    if let Some(peers) = peers
+        && let Err(e) = peers.collect(step)
+    {
+        return (Err(e), Cause::Here);
+    }
+    results.read(step, norm)
+}
+
 impl<B: AutodiffBackend> StepResults<B> {
-    /// `[1]` on the device: the step must change nothing (an input id or
-    /// label out of range, no label that counts, a loss that is not
-    /// finite).
-    fn skip(&self) -> Tensor<B, 1, Bool> {
-        let loss = &self.loss;
-        let mut skip = loss.clone().is_nan().bool_or(loss.clone().is_inf());
-        skip = skip.bool_or(self.tokens.clone().equal_elem(0));
-        for check in &self.checks {
-            skip = skip.bool_or(check.failed());
+    /// Reads the step's values (two transfers, after everything is queued)
+    /// and returns `(loss, tokens)`, or the error of step number `step` and
+    /// where it came from.
+    fn read(
+        self,
+        step: usize,
+        norm: Option<Tensor<B, 1>>,
+    ) -> (Result<(f64, usize), ModelError>, Cause) {
+        // Set: the step is skipped for another worker's batch.
+        let elsewhere = self
+            .own_skip
+            .as_ref()
+            .map(|own| self.skip.clone().bool_and(own.clone().bool_not()));
+        match self.read_values(step, norm, elsewhere) {
+            Ok(Some(values)) => (Ok(values), Cause::Here),
+            Ok(None) => (
+                Err(ModelError::Step {
+                    step,
+                    message: "another worker's batch failed its checks; the step was skipped \
+                              on every worker and no parameter changed"
+                        .into(),
+                }),
+                Cause::Elsewhere,
+            ),
+            Err(e) => (Err(e), Cause::Here),
         }
-        for check in &self.id_checks {
-            skip = skip.bool_or(check.failed());
-        }
-        skip
     }
 
-    /// Reads the step's values (two transfers, after everything is queued)
-    /// and returns `(loss, tokens)`, or the error of step number `step`.
-    fn read(self, step: usize, norm: Option<Tensor<B, 1>>) -> Result<(f64, usize), ModelError> {
+    /// [`Self::read`]'s values: `None` when `elsewhere` (`[1]`) is set and
+    /// this worker's own values are fine.
+    fn read_values(
+        self,
+        step: usize,
+        norm: Option<Tensor<B, 1>>,
+        elsewhere: Option<Tensor<B, 1, Bool>>,
+    ) -> Result<Option<(f64, usize)>, ModelError> {
         let mut ints = vec![self.tokens];
         ints.extend(self.id_checks.iter().map(IdCheck::found));
         ints.extend(self.checks.iter().map(LabelCheck::found));
@@ -637,11 +823,18 @@ impl<B: AutodiffBackend> StepResults<B> {
                     .into(),
             );
         }
+        let norm_at = 1 + usize::from(elsewhere.is_some());
         let mut floats = vec![self.loss];
+        floats.extend(elsewhere.map(|e| e.float()));
         floats.extend(norm);
         let floats: Vec<f64> = read_back(Tensor::cat(floats, 0), Some(step))?;
         let loss = floats[0];
-        let norm = floats.get(1).copied();
+        let norm = floats.get(norm_at).copied();
+        // Skipped for another worker's batch: the fused AdamW made the norm
+        // NaN to skip, and the loss (summed over the workers) is finite.
+        if loss.is_finite() && norm_at == 2 && floats[1] != 0.0 {
+            return Ok(None);
+        }
         if !loss.is_finite() || norm.is_some_and(|n| !n.is_finite()) {
             let norm = norm.map_or(String::new(), |n| format!(", gradient norm {n}"));
             return Err(ModelError::NonFinite {
@@ -651,6 +844,6 @@ impl<B: AutodiffBackend> StepResults<B> {
                 ),
             });
         }
-        Ok((loss, ints[0] as usize))
+        Ok(Some((loss, ints[0] as usize)))
     }
 }

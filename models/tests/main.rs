@@ -5,4 +5,5 @@ mod hf_parity;
 mod loading;
 mod lora;
 mod packing;
+mod parallel;
 mod training;

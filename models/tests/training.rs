@@ -14,7 +14,7 @@ use burn_store::ModuleSnapshot;
 
 const STEPS: usize = 30;
 
-fn config() -> TrainConfig {
+pub(crate) fn config() -> TrainConfig {
     TrainConfig {
         learning_rate: 3e-3,
         warmup_steps: 3,
@@ -129,7 +129,9 @@ fn no_trace_left<B>(
 }
 
 /// Every parameter of `model` (path → values).
-fn params<B: burn::tensor::backend::Backend>(model: &CausalLm<B>) -> Vec<(String, Vec<f32>)> {
+pub(crate) fn params<B: burn::tensor::backend::Backend>(
+    model: &CausalLm<B>,
+) -> Vec<(String, Vec<f32>)> {
     model
         .collect(None, None, true)
         .into_iter()

@@ -23,16 +23,18 @@ const GPU_TESTS: &[&str] = &[
     "checkpointing",
     "hf_parity",
     "training",
+    "parallel",
 ];
 
 /// Builds with cargo and returns the executables it reports, named after
 /// their crate and target (`cubecl-main`).
 fn build_executables(args: &[&str]) -> Result<Vec<(String, PathBuf)>, String> {
     let mut cmd = cargo();
+    // `distributed` is CUDA with data-parallel training (NCCL).
     cmd.args(args).args([
         "--no-default-features",
         "--features",
-        "cuda",
+        "distributed",
         "--message-format=json-render-diagnostics",
     ]);
     let built = cargo_executables(&mut cmd)?;
@@ -127,6 +129,14 @@ shift 2 2>/dev/null || shift $#
 modules="${{*:-{modules}}}"
 filters=""; for m in $modules; do filters="$filters $m::"; done
 export BASTILE_TEST_RUNTIMES=cuda XDG_RUNTIME_DIR="${{XDG_RUNTIME_DIR:-/tmp}}"
+# NCCL for data-parallel runs, loaded at run time: PyTorch's copy, where
+# there is one, under the name the loader asks for.
+nccl="$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)"
+if [ -n "$nccl" ] && ls "$nccl"/libnccl.so* >/dev/null 2>&1; then
+  mkdir -p "$here/nccl"
+  ln -sf "$(ls "$nccl"/libnccl.so* | head -1)" "$here/nccl/libnccl.so"
+  export LD_LIBRARY_PATH="$here/nccl${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"
+fi
 # The tests tune the tuned entry points; the benchmark runs as users do.
 test_tune="${{BASTILE_TUNE:-full}}"
 status=0

@@ -7,6 +7,8 @@
 
 mod attention;
 mod convert;
+#[cfg(feature = "distributed")]
+mod distributed;
 mod forward;
 pub(crate) mod matmul;
 

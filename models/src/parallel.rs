@@ -1,0 +1,920 @@
+//! Data-parallel training: one worker per device, each with a replica of
+//! the model and its own optimizer, the gradients summed across workers
+//! before every update so that the replicas stay identical.
+//!
+//! A [`Trainer`] made data-parallel with [`Trainer::data_parallel`] is
+//! worker 0, on the caller's thread and device; every other device gets a
+//! worker thread holding its replica. [`Trainer::step`] then takes the
+//! micro-batches of all workers, gives each worker an equal, consecutive
+//! share, and returns when every worker's step is done:
+//!
+//! * the counted tokens of all workers are summed before any loss is
+//!   divided by them, and the gradients are summed after each worker's
+//!   last backward pass, so the step equals one worker's step over all the
+//!   micro-batches (gradient accumulation), up to the summation order;
+//! * a check that fails on one worker (an id or label out of range) skips
+//!   the step on all of them (the skip flags are summed too), and the step's
+//!   error names that worker;
+//! * a worker that fails or stops answering (out of memory, a panic, a
+//!   collective that never completes) ends the run: the step returns
+//!   [`ModelError::Worker`] within [`DataParallelOptions::wait`], and so
+//!   does every later step, since the replicas may no longer agree.
+//!
+//! The sums run through a [`Collective`]: on CUDA, NCCL through Burn's
+//! collective operations (`Collective::nccl`, feature `distributed`),
+//! queued on the device after the backward pass; on any backend, a
+//! rendezvous of the workers on the host ([`Collective::host`]), which
+//! reads every gradient back and suits tests and small models.
+
+use std::marker::PhantomData;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Bool, Int, Tensor, TensorData};
+
+use crate::{CausalLm, MicroBatch, ModelError, StepOutput, Trainer};
+
+/// How the workers' tensors are summed.
+#[derive(Clone)]
+pub struct Collective<B: Backend> {
+    reduce: Reduce<B>,
+    workers: usize,
+}
+
+#[derive(Clone)]
+enum Reduce<B: Backend> {
+    Host(Arc<HostSum>, PhantomData<fn() -> B>),
+    #[cfg(feature = "distributed")]
+    Device {
+        ids: Vec<DeviceId>,
+        all_reduce: fn(FloatPrimitive<B>, Vec<DeviceId>) -> FloatPrimitive<B>,
+        settle: fn(&B::Device),
+    },
+}
+
+#[cfg(feature = "distributed")]
+use burn::tensor::backend::DeviceId;
+
+/// A float tensor of `B`, as Burn's backend operations take it.
+#[cfg(feature = "distributed")]
+type FloatPrimitive<B> = <B as burn::tensor::backend::BackendTypes>::FloatTensorPrimitive;
+
+impl<B: Backend> Collective<B> {
+    /// Sums on the host: each worker reads its tensor back, the last to
+    /// arrive adds them (in f32, worker order) and every worker uploads the
+    /// sum. Works on every backend; a worker that waits longer than `wait`
+    /// for the others gives up (its step then reports the missing worker).
+    pub fn host(workers: usize, wait: Duration) -> Self {
+        Self {
+            reduce: Reduce::Host(Arc::new(HostSum::new(workers, wait)), PhantomData),
+            workers,
+        }
+    }
+
+    /// NCCL's all-reduce over `devices` (one worker each, in this order),
+    /// through Burn's collective operations: queued on each device's
+    /// communication stream, which its compute stream then waits for (the
+    /// host waits for the sums only where it reads them). NCCL is loaded
+    /// at run time (`libnccl.so` on the library path).
+    #[cfg(feature = "distributed")]
+    pub fn nccl(devices: &[B::Device]) -> Result<Self, ModelError>
+    where
+        B: burn::tensor::backend::distributed::DistributedBackend,
+    {
+        use burn::tensor::backend::DeviceOps;
+        use burn::tensor::backend::distributed::ReduceOperation;
+        let ids: Vec<_> = devices.iter().map(|d| d.id()).collect();
+        for (i, id) in ids.iter().enumerate() {
+            if ids[..i].contains(id) {
+                return Err(ModelError::Config(format!(
+                    "NCCL needs one worker per device; device {:?} is listed twice",
+                    devices[i]
+                )));
+            }
+        }
+        fn all_reduce<B: burn::tensor::backend::distributed::DistributedBackend>(
+            t: FloatPrimitive<B>,
+            ids: Vec<DeviceId>,
+        ) -> FloatPrimitive<B> {
+            // SAFETY: the sum is read only after `settle`, which makes the
+            // device's compute stream wait for the communication stream.
+            unsafe { B::all_reduce(t, ReduceOperation::Sum, ids).assume_resolved() }
+        }
+        Ok(Self {
+            reduce: Reduce::Device {
+                ids,
+                all_reduce: all_reduce::<B>,
+                settle: B::sync_collective,
+            },
+            workers: devices.len(),
+        })
+    }
+
+    /// Workers taking part.
+    pub fn workers(&self) -> usize {
+        self.workers
+    }
+
+    /// The sum of `t` over the workers; every worker calls this for the
+    /// same tensors in the same order, then [`Self::settle`] before the
+    /// sums are used.
+    fn sum<const D: usize>(&self, rank: usize, t: Tensor<B, D>) -> Tensor<B, D> {
+        match &self.reduce {
+            Reduce::Host(host, _) => {
+                let device = t.device();
+                let dtype = t.dtype();
+                let summed = host.sum(rank, t.into_data());
+                Tensor::from_data(summed.convert_dtype(dtype), &device)
+            }
+            #[cfg(feature = "distributed")]
+            Reduce::Device {
+                ids, all_reduce, ..
+            } => {
+                let t = t.into_primitive().tensor();
+                Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(all_reduce(
+                    t,
+                    ids.clone(),
+                )))
+            }
+        }
+    }
+
+    /// Whether a host rendezvous gave up waiting for a worker (its sums
+    /// since then are this worker's values alone).
+    fn broken(&self) -> bool {
+        match &self.reduce {
+            Reduce::Host(host, _) => host.state.lock().map_or(true, |s| s.broken),
+            #[cfg(feature = "distributed")]
+            Reduce::Device { .. } => false,
+        }
+    }
+
+    /// Makes `device`'s later work wait for the sums queued so far.
+    #[cfg_attr(not(feature = "distributed"), allow(unused_variables))]
+    fn settle(&self, device: &B::Device) {
+        match &self.reduce {
+            Reduce::Host(..) => {}
+            #[cfg(feature = "distributed")]
+            Reduce::Device { settle, .. } => settle(device),
+        }
+    }
+}
+
+/// The host rendezvous: one round per summed tensor.
+struct HostSum {
+    workers: usize,
+    wait: Duration,
+    state: Mutex<Round>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct Round {
+    parts: Vec<Option<TensorData>>,
+    sum: Option<Arc<TensorData>>,
+    taken: usize,
+    broken: bool,
+}
+
+impl HostSum {
+    fn new(workers: usize, wait: Duration) -> Self {
+        Self {
+            workers,
+            wait,
+            state: Mutex::new(Round {
+                parts: vec![None; workers],
+                ..Round::default()
+            }),
+            changed: Condvar::new(),
+        }
+    }
+
+    /// Worker `rank`'s part of this round; the round's sum (or `part`
+    /// itself once the rendezvous is broken).
+    fn sum(&self, rank: usize, part: TensorData) -> TensorData {
+        let deadline = Instant::now() + self.wait;
+        let mut state = self.state.lock().expect("the rendezvous lock");
+        // The previous round ends when every worker took its sum.
+        while !state.broken && (state.sum.is_some() || state.parts[rank].is_some()) {
+            state = self.wait_until(state, deadline);
+        }
+        if state.broken {
+            return part;
+        }
+        state.parts[rank] = Some(part);
+        if state.parts.iter().all(Option::is_some) {
+            let parts: Vec<TensorData> =
+                state.parts.iter_mut().map(|p| p.take().unwrap()).collect();
+            state.sum = Some(Arc::new(add_parts(&parts)));
+            self.changed.notify_all();
+        }
+        while !state.broken && state.sum.is_none() {
+            state = self.wait_until(state, deadline);
+        }
+        let Some(sum) = state.sum.clone() else {
+            return state.parts[rank].take().expect("this worker's part");
+        };
+        state.taken += 1;
+        if state.taken == self.workers {
+            state.sum = None;
+            state.taken = 0;
+            self.changed.notify_all();
+        }
+        (*sum).clone()
+    }
+
+    fn wait_until<'a>(
+        &self,
+        state: std::sync::MutexGuard<'a, Round>,
+        deadline: Instant,
+    ) -> std::sync::MutexGuard<'a, Round> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let (mut state, timeout) = self
+            .changed
+            .wait_timeout(state, left)
+            .expect("the rendezvous lock");
+        if timeout.timed_out() && Instant::now() >= deadline {
+            state.broken = true;
+            self.changed.notify_all();
+        }
+        state
+    }
+}
+
+/// The element-wise sum of same-shaped parts, in f32, in worker order.
+fn add_parts(parts: &[TensorData]) -> TensorData {
+    let shape = parts[0].shape.clone();
+    let mut sum = vec![0f32; parts[0].num_elements()];
+    for part in parts {
+        let values = part.clone().convert::<f32>();
+        let values = values.as_slice::<f32>().expect("f32 after conversion");
+        for (s, v) in sum.iter_mut().zip(values) {
+            *s += v;
+        }
+    }
+    TensorData::new(sum, shape)
+}
+
+/// Settings of [`Trainer::data_parallel`].
+#[derive(Clone, Debug)]
+pub struct DataParallelOptions {
+    /// The longest a step waits for another worker (its first step
+    /// compiles the kernels, tens of seconds on a fresh machine) before it
+    /// reports that worker as failed.
+    pub wait: Duration,
+}
+
+impl Default for DataParallelOptions {
+    fn default() -> Self {
+        Self {
+            wait: Duration::from_secs(600),
+        }
+    }
+}
+
+/// This worker's place among the workers.
+pub(crate) struct World<B: AutodiffBackend> {
+    pub(crate) collective: Collective<B::InnerBackend>,
+    pub(crate) rank: usize,
+    pub(crate) backend: PhantomData<fn() -> B>,
+}
+
+impl<B: AutodiffBackend> World<B> {
+    /// The sum over the workers of a tensor of the training backend
+    /// (detached: what it counts needs no gradient).
+    ///
+    /// The sum is settled before it is returned: work queued after the
+    /// sum, and only that, waits for it (on CUDA, an operation queued
+    /// between the all-reduce and the settling would read the tensor before
+    /// the other workers' values arrive).
+    pub(crate) fn sum<const D: usize>(&self, t: Tensor<B, D>) -> Tensor<B, D> {
+        let device = t.device();
+        let summed = self.collective.sum(self.rank, t.inner());
+        self.settle(&device);
+        Tensor::from_inner(summed)
+    }
+
+    pub(crate) fn sum_int(&self, t: Tensor<B, 1, Int>) -> Tensor<B, 1, Int> {
+        self.sum(t.float()).int()
+    }
+
+    /// True on every worker when it is true on any.
+    pub(crate) fn any(&self, t: Tensor<B, 1, Bool>) -> Tensor<B, 1, Bool> {
+        self.sum(t.float()).greater_elem(0.5)
+    }
+
+    /// Every trainable parameter's gradient summed over the workers (a
+    /// parameter without a gradient here takes part with zeros, so every
+    /// worker sums the same tensors in the same order), settled once after
+    /// the last: nothing reads a gradient in between.
+    pub(crate) fn sum_grads(
+        &self,
+        model: &CausalLm<B>,
+        grads: GradientsParams,
+        device: &B::Device,
+    ) -> GradientsParams
+    where
+        CausalLm<B>: AutodiffModule<B>,
+    {
+        let mut visitor = SumGrads { world: self, grads };
+        model.visit(&mut visitor);
+        self.settle(device);
+        visitor.grads
+    }
+
+    fn settle(&self, device: &B::Device) {
+        use burn::tensor::backend::DeviceOps;
+        self.collective.settle(device.inner());
+    }
+}
+
+struct SumGrads<'a, B: AutodiffBackend> {
+    world: &'a World<B>,
+    grads: GradientsParams,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for SumGrads<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if !param.is_require_grad() {
+            return;
+        }
+        let grad = self
+            .grads
+            .remove::<B::InnerBackend, D>(param.id)
+            .unwrap_or_else(|| param.val().inner().zeros_like());
+        let summed = self.world.collective.sum(self.world.rank, grad);
+        self.grads.register(param.id, summed);
+    }
+}
+
+/// What a step's error came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Cause {
+    /// This worker: its batch, its device, or a value all workers share
+    /// (the summed loss or gradient norm).
+    Here,
+    /// Another worker's batch: the summed skip flag was set while this
+    /// worker's checks passed.
+    Elsewhere,
+    /// This worker, before it queued its collective operations: the
+    /// others may wait for them forever.
+    Early,
+}
+
+/// A worker's outcome of one step.
+pub(crate) type Outcome = (Result<StepOutput, ModelError>, Cause);
+
+/// A micro-batch on its way to another worker: already on that worker's
+/// device, or as host data, read on worker 0's thread before its step is
+/// queued, so that the other worker never reads worker 0's device (whose
+/// queue may by then wait on that worker's collective operations).
+enum Share<B: AutodiffBackend> {
+    Placed(MicroBatch<B>),
+    Host(Box<HostBatch>),
+}
+
+impl<B: AutodiffBackend> Share<B> {
+    fn new(m: MicroBatch<B>, device: &B::Device) -> Result<Self, ModelError> {
+        let on = |t: &Tensor<B, 2, Int>| t.device() == *device;
+        if on(&m.ids) && on(&m.labels) && m.positions.as_ref().is_none_or(on) {
+            Ok(Self::Placed(m))
+        } else {
+            HostBatch::read(m).map(|h| Self::Host(Box::new(h)))
+        }
+    }
+
+    fn on(self, device: &B::Device) -> MicroBatch<B> {
+        match self {
+            Self::Placed(m) => m,
+            Self::Host(h) => h.upload(device),
+        }
+    }
+}
+
+struct HostBatch {
+    ids: TensorData,
+    labels: TensorData,
+    positions: Option<TensorData>,
+}
+
+impl HostBatch {
+    fn read<B: AutodiffBackend>(m: MicroBatch<B>) -> Result<Self, ModelError> {
+        let read = |t: Tensor<B, 2, Int>| {
+            t.try_into_data()
+                .map_err(|e| ModelError::Device(format!("reading a micro-batch back: {e}")))
+        };
+        Ok(Self {
+            ids: read(m.ids)?,
+            labels: read(m.labels)?,
+            positions: m.positions.map(read).transpose()?,
+        })
+    }
+
+    fn upload<B: AutodiffBackend>(self, device: &B::Device) -> MicroBatch<B> {
+        MicroBatch {
+            ids: Tensor::from_data(self.ids, device),
+            labels: Tensor::from_data(self.labels, device),
+            positions: self.positions.map(|p| Tensor::from_data(p, device)),
+        }
+    }
+}
+
+/// A message to a worker thread.
+enum Command<B: AutodiffBackend> {
+    Step(Vec<Share<B>>),
+    LoadState(std::path::PathBuf),
+}
+
+/// A worker thread's answer to a command.
+enum Answer {
+    /// Its replica is on its device.
+    Ready,
+    Stepped(Outcome),
+    Loaded(Result<(), ModelError>),
+}
+
+/// Worker `rank` (≥ 1) on its own thread.
+struct Peer<B: AutodiffBackend> {
+    rank: usize,
+    device: B::Device,
+    commands: Option<Sender<Command<B>>>,
+    /// An answer, or why the thread could not give one (a panic).
+    answers: Receiver<Result<Answer, String>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// The worker threads of a data-parallel [`Trainer`], and what it needs to
+/// wait for them.
+pub(crate) struct Peers<B: AutodiffBackend> {
+    peers: Vec<Peer<B>>,
+    wait: Duration,
+    /// `(worker, message)` once a worker failed: every later step reports
+    /// it.
+    failed: Option<(usize, String)>,
+    /// Whether the peers were sent a step they have not answered yet.
+    stepping: bool,
+    /// Their outcomes of the last step, once collected.
+    collected: Option<Vec<Outcome>>,
+}
+
+impl<B> Trainer<B>
+where
+    B: AutodiffBackend + bastile::BastileBackend,
+    B::InnerBackend: bastile::BastileBackend,
+    CausalLm<B>: AutodiffModule<B>,
+{
+    /// Makes this trainer worker 0 of a data-parallel group over
+    /// `devices`: `model` (on `devices[0]`, the device of the batches this
+    /// trainer's steps get) is copied to every other device, where a
+    /// worker thread trains the copy. Call it before the first step, with
+    /// the model that step will get (after loading a checkpoint), and
+    /// before [`Trainer::load_state`], which then loads every worker's
+    /// state.
+    ///
+    /// Each [`Trainer::step`] then takes the micro-batches of all workers:
+    /// their number must be a multiple of the workers', and worker `k` gets
+    /// the `k`-th equal, consecutive share: micro-batches already on that
+    /// worker's device as they are, others read back and uploaded (which
+    /// waits for worker 0's device). Returns once every replica is on its
+    /// device. An error when
+    /// the collective is not for `devices.len()` workers, when `devices` is
+    /// empty, after a step, or when a worker cannot start.
+    pub fn data_parallel(
+        mut self,
+        model: &CausalLm<B>,
+        devices: &[B::Device],
+        collective: Collective<B::InnerBackend>,
+        options: DataParallelOptions,
+    ) -> Result<Self, ModelError>
+    where
+        B: 'static,
+        CausalLm<B>: Send + 'static,
+        MicroBatch<B>: Send,
+    {
+        if devices.is_empty() {
+            return Err(ModelError::Config(
+                "data-parallel training needs at least one device".into(),
+            ));
+        }
+        if collective.workers() != devices.len() {
+            return Err(ModelError::Config(format!(
+                "the collective is for {} workers, but {} devices were given",
+                collective.workers(),
+                devices.len()
+            )));
+        }
+        if self.steps() > 0 || self.world.is_some() {
+            return Err(ModelError::Config(
+                "a trainer becomes data-parallel once, before its first step".into(),
+            ));
+        }
+        let mut peers = Vec::with_capacity(devices.len() - 1);
+        for (rank, device) in devices.iter().enumerate().skip(1) {
+            let (commands, inbox) = channel::<Command<B>>();
+            let (outbox, answers) = channel();
+            let config = self.config.clone();
+            let world = World {
+                collective: collective.clone(),
+                rank,
+                backend: PhantomData,
+            };
+            let replica = model.clone();
+            let on = device.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("bastile-worker-{rank}"))
+                .spawn(move || serve(config, world, replica, on, inbox, outbox))
+                .map_err(|e| ModelError::Worker {
+                    worker: rank,
+                    message: format!("its thread could not start: {e}"),
+                })?;
+            peers.push(Peer {
+                rank,
+                device: device.clone(),
+                commands: Some(commands),
+                answers,
+                thread: Some(thread),
+            });
+        }
+        self.world = Some(World {
+            collective,
+            rank: 0,
+            backend: PhantomData,
+        });
+        let mut peers = Peers {
+            peers,
+            wait: options.wait,
+            failed: None,
+            stepping: false,
+            collected: None,
+        };
+        // Each replica is copied from this device: the copies finish before
+        // the first step, whose collective operations may hold it.
+        for (rank, answer) in peers.answers(None)? {
+            if !matches!(answer, Answer::Ready) {
+                return Err(peers.fail(rank, "it answered another command".into()));
+            }
+        }
+        self.peers = Some(peers);
+        Ok(self)
+    }
+
+    /// Workers training together (1 unless data-parallel).
+    pub fn workers(&self) -> usize {
+        self.peers.as_ref().map_or(1, |p| p.peers.len() + 1)
+    }
+}
+
+/// A worker thread: trains its replica on the shares it is sent until the
+/// trainer that started it is dropped, or a command panics.
+fn serve<B>(
+    config: crate::TrainConfig,
+    world: World<B>,
+    replica: CausalLm<B>,
+    device: B::Device,
+    inbox: Receiver<Command<B>>,
+    outbox: Sender<Result<Answer, String>>,
+) where
+    B: AutodiffBackend + bastile::BastileBackend,
+    B::InnerBackend: bastile::BastileBackend,
+    CausalLm<B>: AutodiffModule<B>,
+{
+    let ready = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let model = replica.fork(&device);
+        B::sync(&device)
+            .map(|()| model)
+            .map_err(|e| format!("copying the model to {device:?} failed: {e}"))
+    }));
+    let mut model = match ready
+        .map_err(|panic| panic_message(&*panic))
+        .and_then(|r| r)
+    {
+        Ok(model) => Some(model),
+        Err(message) => {
+            let _ = outbox.send(Err(message));
+            return;
+        }
+    };
+    let mut trainer = match Trainer::<B>::new(config) {
+        Ok(mut t) => {
+            t.world = Some(world);
+            Some(t)
+        }
+        Err(e) => {
+            let _ = outbox.send(Err(e.to_string()));
+            return;
+        }
+    };
+    if outbox.send(Ok(Answer::Ready)).is_err() {
+        return;
+    }
+    while let Ok(command) = inbox.recv() {
+        let answer = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match command {
+            Command::Step(share) => {
+                let share: Vec<MicroBatch<B>> = share.into_iter().map(|m| m.on(&device)).collect();
+                let t = trainer.as_mut().expect("the worker's trainer");
+                let (m, out, cause) = t.step_here(model.take().expect("the replica"), &share);
+                model = Some(m);
+                Answer::Stepped((out, cause))
+            }
+            Command::LoadState(dir) => {
+                let t = trainer.take().expect("the worker's trainer");
+                match t.load_state(&dir, &device) {
+                    Ok(t) => {
+                        trainer = Some(t);
+                        Answer::Loaded(Ok(()))
+                    }
+                    Err(e) => Answer::Loaded(Err(e)),
+                }
+            }
+        }));
+        let answer = answer.map_err(|panic| panic_message(&*panic));
+        let unusable = answer.is_err() || trainer.is_none();
+        if outbox.send(answer).is_err() || unusable {
+            return;
+        }
+    }
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
+        (Some(s), _) => format!("it panicked: {s}"),
+        (_, Some(s)) => format!("it panicked: {s}"),
+        _ => "it panicked".into(),
+    }
+}
+
+impl<B: AutodiffBackend> Peers<B> {
+    /// The error of a worker that failed earlier.
+    pub(crate) fn failure(&self) -> Option<ModelError> {
+        self.failed
+            .as_ref()
+            .map(|(worker, message)| ModelError::Worker {
+                worker: *worker,
+                message: message.clone(),
+            })
+    }
+
+    /// The longest a step waits for another worker.
+    pub(crate) fn wait(&self) -> Duration {
+        self.wait
+    }
+
+    /// Workers, this one included.
+    pub(crate) fn workers(&self) -> usize {
+        self.peers.len() + 1
+    }
+
+    /// Sends each peer its share of a step (`shares[k]` to worker `k + 1`);
+    /// a micro-batch on another device than the peer's is read back first.
+    pub(crate) fn send_shares(
+        &mut self,
+        shares: Vec<Vec<MicroBatch<B>>>,
+    ) -> Result<(), ModelError> {
+        let mut read = Vec::with_capacity(shares.len());
+        for (peer, share) in self.peers.iter().zip(shares) {
+            read.push(
+                share
+                    .into_iter()
+                    .map(|m| Share::new(m, &peer.device))
+                    .collect::<Result<Vec<_>, _>>()?,
+            );
+        }
+        for (i, share) in read.into_iter().enumerate() {
+            let rank = self.peers[i].rank;
+            if !self.peers[i].send(Command::Step(share)) {
+                return Err(self.fail(rank, "its thread stopped".into()));
+            }
+        }
+        self.stepping = true;
+        Ok(())
+    }
+
+    /// Waits (once per step) for every peer's outcome of the step sent
+    /// last, each within the wait; a peer that failed or stayed silent is
+    /// the run's error.
+    pub(crate) fn collect(&mut self, step: usize) -> Result<(), ModelError> {
+        if std::mem::take(&mut self.stepping) {
+            let mut outcomes = Vec::with_capacity(self.peers.len());
+            for (rank, answer) in self.answers(Some(step))? {
+                match answer {
+                    Answer::Stepped((Err(e), Cause::Early)) => {
+                        return Err(self.fail(rank, e.to_string()));
+                    }
+                    Answer::Stepped(outcome) => outcomes.push(outcome),
+                    Answer::Loaded(_) | Answer::Ready => {
+                        return Err(self.fail(rank, "it answered another command".into()));
+                    }
+                }
+            }
+            self.collected = Some(outcomes);
+        }
+        match self.failure() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the peers still owe an answer to the step sent last.
+    pub(crate) fn stepping(&self) -> bool {
+        self.stepping
+    }
+
+    /// The outcomes [`Self::collect`] gathered.
+    pub(crate) fn take_outcomes(&mut self, step: usize) -> Result<Vec<Outcome>, ModelError> {
+        self.collect(step)?;
+        Ok(self.collected.take().unwrap_or_default())
+    }
+
+    /// Asks every peer to load its trainer state from `dir`, and waits.
+    pub(crate) fn load_state(&mut self, dir: &std::path::Path) -> Result<(), ModelError> {
+        if let Some(e) = self.failure() {
+            return Err(e);
+        }
+        for i in 0..self.peers.len() {
+            if !self.peers[i].send(Command::LoadState(dir.to_path_buf())) {
+                let rank = self.peers[i].rank;
+                return Err(self.fail(rank, "its thread stopped".into()));
+            }
+        }
+        for (rank, answer) in self.answers(None)? {
+            match answer {
+                Answer::Loaded(Ok(())) => {}
+                Answer::Loaded(Err(e)) => return Err(e.on_worker(rank)),
+                Answer::Stepped(_) | Answer::Ready => {
+                    return Err(self.fail(rank, "it answered another command".into()));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every peer's answer to the last command, in rank order, within the
+    /// wait from now.
+    fn answers(&mut self, step: Option<usize>) -> Result<Vec<(usize, Answer)>, ModelError> {
+        if let Some(e) = self.failure() {
+            return Err(e);
+        }
+        let deadline = Instant::now() + self.wait;
+        let mut all = Vec::with_capacity(self.peers.len());
+        for i in 0..self.peers.len() {
+            let rank = self.peers[i].rank;
+            let left = deadline.saturating_duration_since(Instant::now());
+            let message = match self.peers[i].answers.recv_timeout(left) {
+                Ok(Ok(answer)) => {
+                    all.push((rank, answer));
+                    continue;
+                }
+                Ok(Err(message)) => message,
+                Err(RecvTimeoutError::Timeout) => format!(
+                    "no answer{} within {:.0} s (a collective operation it waits on may never \
+                     complete)",
+                    step.map_or(String::new(), |s| format!(" to step {s}")),
+                    self.wait.as_secs_f64(),
+                ),
+                Err(RecvTimeoutError::Disconnected) => "its thread stopped".into(),
+            };
+            return Err(self.fail(rank, message));
+        }
+        Ok(all)
+    }
+
+    /// Records worker `rank`'s failure and returns it as the error.
+    fn fail(&mut self, rank: usize, message: String) -> ModelError {
+        let message = format!("{message}; training stops, since the replicas may now differ");
+        self.failed = Some((rank, message));
+        self.failure().expect("just recorded")
+    }
+
+    /// Records that the step failed on worker 0 in a way the others may
+    /// never finish (before its collective operations were queued).
+    pub(crate) fn fail_here(&mut self, e: &ModelError) {
+        if self.failed.is_none() {
+            self.failed = Some((
+                0,
+                format!("{e}; training stops, since the replicas may now differ"),
+            ));
+        }
+    }
+}
+
+impl<B: AutodiffBackend> Peer<B> {
+    /// Sends `command`; false when the thread is gone.
+    fn send(&self, command: Command<B>) -> bool {
+        self.commands
+            .as_ref()
+            .is_some_and(|c| c.send(command).is_ok())
+    }
+}
+
+impl<B: AutodiffBackend> Drop for Peer<B> {
+    fn drop(&mut self) {
+        // Closing the channel ends the thread's loop; a thread stuck on
+        // the device is left behind rather than waited for.
+        self.commands = None;
+        if let Some(thread) = self.thread.take()
+            && thread.is_finished()
+        {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl<B: AutodiffBackend> World<B> {
+    /// Whether the sums can no longer be trusted.
+    pub(crate) fn broken(&self) -> bool {
+        self.collective.broken()
+    }
+}
+
+/// The step's result from every worker's outcome: success when all
+/// succeeded; else worker 0's own error, else the first other worker's own
+/// error (naming it).
+pub(crate) fn combine(own: Outcome, peers: Vec<Outcome>) -> Result<StepOutput, ModelError> {
+    let (own, own_cause) = own;
+    let own = match own {
+        Ok(out) if peers.iter().all(|(r, _)| r.is_ok()) => return Ok(out),
+        Ok(_) => None,
+        Err(e) if own_cause != Cause::Elsewhere => return Err(e),
+        Err(e) => Some(e),
+    };
+    for (rank, (out, cause)) in peers.into_iter().enumerate() {
+        if let (Err(e), Cause::Here | Cause::Early) = (out, cause) {
+            return Err(e.on_worker(rank + 1));
+        }
+    }
+    Err(own.unwrap_or_else(|| ModelError::Worker {
+        worker: 0,
+        message: "the workers disagree on whether the step applied; training stops".into(),
+    }))
+}
+
+/// Splits `batches` into `workers` equal consecutive shares; an error
+/// when they do not divide.
+pub(crate) fn shares<T>(batches: Vec<T>, workers: usize) -> Result<Vec<Vec<T>>, ModelError> {
+    if batches.is_empty() || !batches.len().is_multiple_of(workers) {
+        return Err(ModelError::Config(format!(
+            "a data-parallel step needs a positive multiple of {workers} micro-batches (one \
+             share per worker), got {}",
+            batches.len()
+        )));
+    }
+    let per = batches.len() / workers;
+    let mut rest = batches.into_iter();
+    Ok((0..workers)
+        .map(|_| rest.by_ref().take(per).collect())
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shares_are_equal_and_consecutive() {
+        let s = shares((0..6).collect(), 3).unwrap();
+        assert_eq!(s, vec![vec![0, 1], vec![2, 3], vec![4, 5]]);
+        let e = shares((0..5).collect::<Vec<i32>>(), 2).unwrap_err();
+        assert!(e.to_string().contains("multiple of 2"), "{e}");
+        assert!(shares(Vec::<i32>::new(), 1).is_err());
+    }
+
+    #[test]
+    fn host_sum_adds_every_worker_part_each_round() {
+        let sum = Arc::new(HostSum::new(3, Duration::from_secs(20)));
+        let threads: Vec<_> = (0..3)
+            .map(|rank| {
+                let sum = sum.clone();
+                std::thread::spawn(move || {
+                    (0..4)
+                        .map(|round| {
+                            let part =
+                                TensorData::new(vec![rank as f32 + 10.0 * round as f32, 1.0], [2]);
+                            sum.sum(rank, part).into_vec::<f32>().unwrap()
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        for t in threads {
+            let rounds = t.join().unwrap();
+            for (round, got) in rounds.iter().enumerate() {
+                // 0 + 1 + 2 plus 10·round from each of the three workers.
+                assert_eq!(got, &vec![3.0 + 30.0 * round as f32, 3.0]);
+            }
+        }
+    }
+
+    #[test]
+    fn host_sum_gives_up_on_a_missing_worker() {
+        let sum = HostSum::new(2, Duration::from_millis(50));
+        let part = TensorData::new(vec![5f32], [1]);
+        let got = sum.sum(0, part).into_vec::<f32>().unwrap();
+        assert_eq!(got, vec![5.0]);
+        assert!(sum.state.lock().unwrap().broken);
+    }
+}
