@@ -254,14 +254,7 @@ impl Report {
                     _ => String::new(),
                 }
             };
-            // A failed run says why in its first number's cell.
-            let failure = r.error.as_deref().map(crate::train::failure_label);
-            let num = |v: Option<f64>, digits: usize| {
-                v.map_or_else(String::new, |v| format!("{v:.digits$}"))
-            };
-            let ms = r
-                .ms_per_step
-                .map_or_else(|| failure.unwrap_or_default().into(), |v| format!("{v:.1}"));
+            let ms = step_ms(r);
             s += &format!(
                 "| {} | {} | {} | {} | {} | {ms} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
                 r.model,
@@ -269,15 +262,15 @@ impl Report {
                 r.seq,
                 r.dtype,
                 r.implementation,
-                num(r.tokens_per_s, 0),
+                fixed(r.tokens_per_s, 0),
                 vs(crate::pytorch::HF),
                 vs(crate::pytorch::LIGER),
                 vs(crate::pytorch::COMPILE),
                 vs("burn"),
-                num(r.in_use_mib, 0),
-                num(r.peak_mib, 0),
-                num(r.first_step_s, 1),
-                num(r.host_ms, 1),
+                fixed(r.in_use_mib, 0),
+                fixed(r.peak_mib, 0),
+                fixed(r.first_step_s, 1),
+                fixed(r.host_ms, 1),
             );
         }
         s += &self.scaling_markdown();
@@ -311,22 +304,11 @@ impl Report {
                     && o.implementation == single_name
             });
             let one = single.and_then(|o| o.tokens_per_s);
-            let cell = |v: Option<f64>, digits: usize| {
-                v.map_or_else(String::new, |v| format!("{v:.digits$}"))
-            };
             let efficiency = match (r.tokens_per_s, one) {
                 (Some(n), Some(one)) => format!("{:.1}%", 100.0 * n / (r.devices as f64 * one)),
                 _ => String::new(),
             };
-            let ms = r.ms_per_step.map_or_else(
-                || {
-                    r.error
-                        .as_deref()
-                        .map_or("", crate::train::failure_label)
-                        .to_string()
-                },
-                |v| format!("{v:.1}"),
-            );
+            let ms = step_ms(r);
             s += &format!(
                 "| {} | {} | {} | {} | {} | {} | {ms} | {} | {} | {efficiency} |\n",
                 r.model,
@@ -335,8 +317,8 @@ impl Report {
                 r.dtype,
                 single_name,
                 r.devices,
-                cell(r.tokens_per_s, 0),
-                cell(one, 0),
+                fixed(r.tokens_per_s, 0),
+                fixed(one, 0),
             );
         }
         s
@@ -450,4 +432,22 @@ impl Report {
         }
         Ok(written)
     }
+}
+
+/// `v` with `digits` decimals, or an empty cell.
+fn fixed(v: Option<f64>, digits: usize) -> String {
+    v.map_or_else(String::new, |v| format!("{v:.digits$}"))
+}
+
+/// A training row's step time, or for a failed run why it failed.
+fn step_ms(r: &crate::train::TrainRow) -> String {
+    r.ms_per_step.map_or_else(
+        || {
+            r.error
+                .as_deref()
+                .map_or("", crate::train::failure_label)
+                .to_string()
+        },
+        |v| format!("{v:.1}"),
+    )
 }

@@ -16,10 +16,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bastile::{Bastile, BastileBackend, Patches};
+use bastile_cli::warmup::random_batch;
 use bastile_models::{CausalLm, LoraConfig, MicroBatch, TrainConfig, Trainer, presets};
 use burn::backend::Autodiff;
+use burn::tensor::DType;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{DType, Distribution, Int, Tensor};
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 
@@ -505,18 +506,10 @@ where
     }
     // Each step's micro-batches (one per worker) and their trained tokens.
     let data: Vec<(Vec<MicroBatch<A>>, usize)> = if layout == DataLayout::Full {
-        let uniform = Distribution::Uniform(0.0, vocab as f64);
         // Each worker's micro-batch on its own device.
         let full = devices
             .iter()
-            .map(|device| {
-                let ids = Tensor::<A, 2, Int>::random([batch, seq], uniform, device);
-                MicroBatch {
-                    ids: ids.clone(),
-                    labels: ids,
-                    positions: None,
-                }
-            })
+            .map(|device| random_batch::<A>(batch, seq, vocab, false, device))
             .collect();
         vec![(full, workers * batch * seq)]
     } else {

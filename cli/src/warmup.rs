@@ -137,7 +137,7 @@ fn progress_bar(o: &WarmupOptions) -> ProgressBar {
 /// `rows` rows of `len` random tokens, trained on themselves; packed, each
 /// row is one document (positions from 0), which selects the document-aware
 /// kernels that packed rows run.
-fn random_batch<B: AutodiffBackend>(
+pub fn random_batch<B: AutodiffBackend>(
     rows: usize,
     len: usize,
     vocab: usize,

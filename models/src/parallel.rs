@@ -327,6 +327,11 @@ impl<B: AutodiffBackend> World<B> {
         visitor.grads
     }
 
+    /// Whether the sums can no longer be trusted.
+    pub(crate) fn broken(&self) -> bool {
+        self.collective.broken()
+    }
+
     fn settle(&self, device: &B::Device) {
         use burn::tensor::backend::DeviceOps;
         self.collective.settle(device.inner());
@@ -785,20 +790,22 @@ impl<B: AutodiffBackend> Peers<B> {
 
     /// Records worker `rank`'s failure and returns it as the error.
     fn fail(&mut self, rank: usize, message: String) -> ModelError {
-        let message = format!("{message}; training stops, since the replicas may now differ");
-        self.failed = Some((rank, message));
+        self.record_failure(rank, message);
         self.failure().expect("just recorded")
     }
 
     /// Records that the step failed on worker 0 in a way the others may
-    /// never finish (before its collective operations were queued).
+    /// never finish (before its collective operations were queued), unless
+    /// a failure is recorded already.
     pub(crate) fn fail_here(&mut self, e: &ModelError) {
         if self.failed.is_none() {
-            self.failed = Some((
-                0,
-                format!("{e}; training stops, since the replicas may now differ"),
-            ));
+            self.record_failure(0, e.to_string());
         }
+    }
+
+    fn record_failure(&mut self, rank: usize, message: String) {
+        let message = format!("{message}; training stops, since the replicas may now differ");
+        self.failed = Some((rank, message));
     }
 }
 
@@ -821,13 +828,6 @@ impl<B: AutodiffBackend> Drop for Peer<B> {
         {
             let _ = thread.join();
         }
-    }
-}
-
-impl<B: AutodiffBackend> World<B> {
-    /// Whether the sums can no longer be trusted.
-    pub(crate) fn broken(&self) -> bool {
-        self.collective.broken()
     }
 }
 

@@ -136,17 +136,6 @@ pub struct MicroBatch<B: AutodiffBackend> {
     pub positions: Option<Tensor<B, 2, Int>>,
 }
 
-impl<B: AutodiffBackend> MicroBatch<B> {
-    /// The same batch on `device`.
-    pub fn to_device(self, device: &B::Device) -> Self {
-        Self {
-            ids: self.ids.to_device(device),
-            labels: self.labels.to_device(device),
-            positions: self.positions.map(|p| p.to_device(device)),
-        }
-    }
-}
-
 /// The loss of one micro-batch's tensors on `X` (the training backend or
 /// its inner one): packed or not.
 fn micro_batch_loss<X: BastileBackend>(
