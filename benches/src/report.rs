@@ -242,13 +242,10 @@ impl Report {
                     Some(n) => format!("{name} + PEFT, LoRA r{n}"),
                     None => name.to_string(),
                 };
-                let other = self.train.iter().find(|o| {
-                    o.model == r.model
-                        && o.batch == r.batch
-                        && o.seq == r.seq
-                        && o.dtype == r.dtype
-                        && o.implementation == name
-                });
+                let other = self
+                    .train
+                    .iter()
+                    .find(|o| same_config(o, r) && o.implementation == name);
                 match (r.ms_per_step, other.and_then(|o| o.ms_per_step)) {
                     (Some(a), Some(b)) if r.implementation != name => format!("{:.2}×", b / a),
                     _ => String::new(),
@@ -295,14 +292,10 @@ impl Report {
         for r in rows {
             let suffix = format!(", {} GPUs", r.devices);
             let single_name = r.implementation.strip_suffix(&suffix).unwrap_or_default();
-            let single = self.train.iter().find(|o| {
-                o.devices == 1
-                    && o.model == r.model
-                    && o.batch == r.batch
-                    && o.seq == r.seq
-                    && o.dtype == r.dtype
-                    && o.implementation == single_name
-            });
+            let single = self
+                .train
+                .iter()
+                .find(|o| o.devices == 1 && same_config(o, r) && o.implementation == single_name);
             let one = single.and_then(|o| o.tokens_per_s);
             let efficiency = match (r.tokens_per_s, one) {
                 (Some(n), Some(one)) => format!("{:.1}%", 100.0 * n / (r.devices as f64 * one)),
@@ -450,4 +443,10 @@ fn step_ms(r: &crate::train::TrainRow) -> String {
         },
         |v| format!("{v:.1}"),
     )
+}
+
+/// Whether two training rows measured the same model, batch, length and
+/// dtype.
+fn same_config(a: &crate::train::TrainRow, b: &crate::train::TrainRow) -> bool {
+    a.model == b.model && a.batch == b.batch && a.seq == b.seq && a.dtype == b.dtype
 }
