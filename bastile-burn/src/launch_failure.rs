@@ -21,13 +21,20 @@
 //! capture active in the process (two trainers stepping at once both fail
 //! their step), and panics when none is. Nothing fails silently. A step's
 //! launches belong to its capture when they run before it ends: reading the
-//! step's results runs everything queued before them. Running out of device
-//! memory panics inside CubeCL's allocator, which no caller can catch.
-//! Errors the device reports later, asynchronously, come back from Burn's
+//! step's results runs everything queued before them. Errors the device
+//! reports later, asynchronously, come back from Burn's
 //! `Tensor::try_into_data`.
+//!
+//! Running out of device memory panics inside CubeCL's allocator, on the
+//! device's thread, which carries on without the buffer; the caller sees
+//! at most a later panic of its own. [`watch_out_of_memory`] turns that
+//! into something a program can report: the failed allocation is recorded
+//! as a failure of every running capture (so the fused AdamW writes
+//! nothing) and its size kept for [`out_of_memory`].
 
 use std::fmt;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, Once};
 
 use bastile_cubecl::KernelError;
 
@@ -114,16 +121,86 @@ pub(crate) fn failed(kernel: &str, error: impl fmt::Display) {
         kernel: kernel.into(),
         message: error.to_string(),
     };
-    let recorded = {
-        let mut c = captures();
-        for (_, failures) in &mut c.active {
-            failures.push(failure.clone());
-        }
-        !c.active.is_empty()
-    };
-    if !recorded {
+    if !record(&failure) {
         panic!("{failure} (after its checks passed)");
     }
+}
+
+/// Records `failure` in every running capture; whether one ran.
+fn record(failure: &LaunchFailure) -> bool {
+    let mut c = captures();
+    for (_, failures) in &mut c.active {
+        failures.push(failure.clone());
+    }
+    !c.active.is_empty()
+}
+
+/// What CubeCL's allocator says when the device has no buffer of the size
+/// it asks for, before the size in bytes.
+const ALLOCATION_FAILED: &str = "can't allocate buffer of size: ";
+
+/// The bytes of the first device allocation that failed since
+/// [`watch_out_of_memory`] (0: none).
+static FAILED_ALLOCATION: AtomicU64 = AtomicU64::new(0);
+
+/// The bytes a failed device allocation asked for, read from CubeCL's
+/// panic message; `None` for any other message.
+pub fn allocation_failure(message: &str) -> Option<u64> {
+    let after = &message[message.find(ALLOCATION_FAILED)? + ALLOCATION_FAILED.len()..];
+    let digits = after.split(|c: char| !c.is_ascii_digit()).next()?;
+    digits.parse().ok()
+}
+
+/// From now on (in the whole process), notes a device allocation that
+/// fails: its size is kept for [`out_of_memory`] and it is recorded in
+/// every running capture as a failure of the `"device allocation"`, so
+/// that the step it belongs to fails and writes no parameter. Its panic,
+/// and every panic after it (the device threads' and the caller's, set off
+/// by the missing buffer), print nothing: the program reports the one
+/// error instead, and must not use the device again. Other panics print as
+/// before. Installs a panic hook once; later calls do nothing.
+pub fn watch_out_of_memory() {
+    static WATCHING: Once = Once::new();
+    WATCHING.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let payload = info.payload();
+            let message = payload
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| payload.downcast_ref::<&str>().copied());
+            if let Some(bytes) = message.and_then(allocation_failure) {
+                let first = FAILED_ALLOCATION
+                    .compare_exchange(0, bytes.max(1), Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok();
+                if first {
+                    record(&LaunchFailure {
+                        kernel: "device allocation".into(),
+                        message: out_of_memory_message(bytes),
+                    });
+                }
+            } else if FAILED_ALLOCATION.load(Ordering::SeqCst) == 0 {
+                previous(info);
+            }
+        }));
+    });
+}
+
+/// The bytes of the first device allocation that failed since
+/// [`watch_out_of_memory`], if one did.
+pub fn out_of_memory() -> Option<u64> {
+    match FAILED_ALLOCATION.load(Ordering::SeqCst) {
+        0 => None,
+        bytes => Some(bytes),
+    }
+}
+
+/// How a failed allocation of `bytes` is reported.
+pub fn out_of_memory_message(bytes: u64) -> String {
+    format!(
+        "out of memory on the device: an allocation of {bytes} bytes ({:.2} GiB) failed",
+        bytes as f64 / (1u64 << 30) as f64
+    )
 }
 
 /// Launches `kernel` with `run`, whose problem was checked before; a failure
@@ -207,5 +284,49 @@ mod tests {
             panic.downcast_ref::<String>().map(String::as_str),
             Some("the RMSNorm forward launch failed: boom (after its checks passed)")
         );
+
+        // A failed device allocation, as CubeCL's device thread panics with
+        // it, is recorded in the running capture with its size.
+        watch_out_of_memory();
+        assert_eq!(out_of_memory(), None);
+        let ((), failures) = capture_launch_failures(|| {
+            std::thread::spawn(|| {
+                panic!(
+                    "called `Result::unwrap()` on an `Err` value: can't allocate buffer of \
+                     size: 5313593344\nNo backtrace available"
+                )
+            })
+            .join()
+            .unwrap_err();
+            assert!(launch_failed());
+        });
+        assert_eq!(out_of_memory(), Some(5_313_593_344));
+        assert_eq!(
+            failures,
+            [LaunchFailure {
+                kernel: "device allocation".into(),
+                message: "out of memory on the device: an allocation of 5313593344 bytes \
+                          (4.95 GiB) failed"
+                    .into()
+            }]
+        );
+        // Later panics print again (the hook stays).
+        FAILED_ALLOCATION.store(0, Ordering::SeqCst);
+    }
+
+    #[test]
+    fn allocation_failures_are_read_from_cubecl_messages() {
+        let message = "called `Result::unwrap()` on an `Err` value: can't allocate buffer of \
+                       size: 1024\nNo backtrace available";
+        assert_eq!(allocation_failure(message), Some(1024));
+        assert_eq!(
+            allocation_failure("can't allocate buffer of size: 77"),
+            Some(77)
+        );
+        assert_eq!(
+            allocation_failure("called `Result::unwrap()` on an `Err` value: CallError"),
+            None
+        );
+        assert_eq!(allocation_failure("can't allocate buffer of size: "), None);
     }
 }

@@ -9,7 +9,10 @@ eager` forces HF's eager attention instead, as earlier results used.
 every linear projection (q, k, v, o, gate, up, down) of the frozen model,
 as a PEFT user with HF Trainer's `bf16=True` runs it: the adapters in f32
 (PEFT's default), the forward pass under bf16 autocast, AdamW and the
-clip over the adapters only.
+clip over the adapters only. `--checkpointing` turns on HF's gradient
+checkpointing (`model.gradient_checkpointing_enable()`, as HF Trainer's
+`gradient_checkpointing=True` does): every decoder layer recomputed in the
+backward pass.
 
 Each row reports the median step time, the first step's time (compilation
 included), the peak bytes in use during the timed steps
@@ -80,16 +83,17 @@ LIGER = {"qwen3": "apply_liger_kernel_to_qwen3", "llama": "apply_liger_kernel_to
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def name(impl, attn, lora=None):
+def name(impl, attn, lora=None, checkpointing=False):
     """The row's implementation, naming HF's attention where it was forced
     (every row records the attention that ran under "attention")."""
     base = {"hf": "HF transformers", "liger": "HF + Liger-Kernel",
             "compile": "HF + torch.compile"}[impl]
     base += f" ({attn})" if attn else ""
-    return base + (f" + PEFT, LoRA r{lora}" if lora else "")
+    base += f" + PEFT, LoRA r{lora}" if lora else ""
+    return base + (", checkpointing every layer" if checkpointing else "")
 
 
-def one(model_name, impl, batch, seq, steps, attn, lora=None):
+def one(model_name, impl, batch, seq, steps, attn, lora=None, checkpointing=False):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -111,6 +115,13 @@ def one(model_name, impl, batch, seq, steps, attn, lora=None):
         model = get_peft_model(model, LoraConfig(
             r=lora, lora_alpha=2 * lora, lora_dropout=0.0, target_modules=LORA_TARGETS,
             task_type="CAUSAL_LM"))
+    if checkpointing:
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable()
+        if lora:
+            # What HF Trainer does for PEFT models: the frozen embeddings'
+            # output requires grad, so the checkpointed layers get one.
+            model.enable_input_require_grads()
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
@@ -149,7 +160,7 @@ def one(model_name, impl, batch, seq, steps, attn, lora=None):
         "batch": batch,
         "seq": seq,
         "dtype": "bf16",
-        "implementation": name(impl, attn, lora),
+        "implementation": name(impl, attn, lora, checkpointing),
         "attention": model.config._attn_implementation,
         "ms_per_step": ms,
         "tokens_per_s": batch * seq / (ms / 1e3),
@@ -183,11 +194,14 @@ def main():
     p.add_argument("--attn", choices=["eager", "sdpa"],
                    help="force this attention (default: HF's default for the model)")
     p.add_argument("--lora", type=int, help="train PEFT LoRA adapters of this rank")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="HF's gradient checkpointing of every decoder layer")
     p.add_argument("--out")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        print(json.dumps(one(a.model, a.impl[0], a.batch[0], a.seq[0], a.steps, a.attn, a.lora)))
+        print(json.dumps(one(a.model, a.impl[0], a.batch[0], a.seq[0], a.steps, a.attn, a.lora,
+                             a.checkpointing)))
         return
     rows = []
     for batch in a.batch:
@@ -200,6 +214,7 @@ def main():
                        "--batch", str(batch), "--seq", str(seq), "--steps", str(a.steps)]
                 cmd += ["--attn", a.attn] if a.attn else []
                 cmd += ["--lora", str(a.lora)] if a.lora else []
+                cmd += ["--checkpointing"] if a.checkpointing else []
                 r = subprocess.run(cmd, capture_output=True, text=True)
                 sys.stderr.write(r.stderr[-2000:])
                 line = next((l for l in r.stdout.splitlines() if l.startswith("{")), None)
@@ -209,7 +224,8 @@ def main():
                     oom = "out of memory" in r.stderr.lower()
                     last = (r.stderr.strip().splitlines() or ["no output"])[-1]
                     row = {"model": a.model, "batch": batch, "seq": seq, "dtype": "bf16",
-                           "implementation": name(impl, a.attn, a.lora), "ms_per_step": None,
+                           "implementation": name(impl, a.attn, a.lora, a.checkpointing),
+                           "ms_per_step": None,
                            "tokens_per_s": None, "peak_mib": None, "in_use_mib": None,
                            "error": "out of memory" if oom else last}
                     failed.add(impl)

@@ -390,11 +390,13 @@ fn render(fig: &Figure, rgb: &mut [u8]) -> Result<(), String> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::train::TrainRow;
 
-    fn row(imp: &str, seq: usize, ms: Option<f64>, error: Option<&str>) -> TrainRow {
+    /// A training row of model `m`, batch 1, bf16: measured (`ms`) or
+    /// failed (`error`).
+    pub(crate) fn row(imp: &str, seq: usize, ms: Option<f64>, error: Option<&str>) -> TrainRow {
         TrainRow {
             model: "m".into(),
             batch: 1,

@@ -155,6 +155,11 @@ pub struct Args {
     /// on the PyTorch side).
     #[arg(long, value_name = "R")]
     pub lora: Option<usize>,
+    /// Training: activation checkpointing, every layer (or every N-th):
+    /// each keeps only its input and runs again in the backward pass (HF's
+    /// gradient checkpointing on the PyTorch side).
+    #[arg(long, value_name = "N", num_args = 0..=1, default_missing_value = "1")]
+    pub checkpointing: Option<std::num::NonZeroUsize>,
     /// Training: GPU counts to train on data-parallel, e.g. `1,2,4`: one
     /// worker per GPU, each with its own micro-batch of `--batch` ×
     /// `--seq`, gradients summed through NCCL (CUDA, a build with feature

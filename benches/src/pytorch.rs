@@ -45,6 +45,14 @@ pub fn compare(args: &Args, report: &mut Report) {
             .notes
             .push("PyTorch comparison: only bf16 training runs are compared".into());
     }
+    // HF checkpoints every layer or none.
+    let checkpointing = args.checkpointing.is_some();
+    if args.checkpointing.is_some_and(|n| n.get() > 1) && !trained.is_empty() {
+        report.notes.push(
+            "PyTorch comparison: HF checkpoints every layer or none, not one layer in N".into(),
+        );
+        trained.clear();
+    }
     for (model, batch, seqs) in trained {
         let mut script_args = vec!["--model".into(), model.clone(), "--batch".into()];
         script_args.push(batch.to_string());
@@ -53,6 +61,9 @@ pub fn compare(args: &Args, report: &mut Report) {
         script_args.extend(["--steps".into(), args.steps.to_string()]);
         if let Some(rank) = args.lora {
             script_args.extend(["--lora".into(), rank.to_string()]);
+        }
+        if checkpointing {
+            script_args.push("--checkpointing".into());
         }
         let task = format!("PyTorch: train {model} batch {batch}");
         run_into(

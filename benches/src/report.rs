@@ -270,7 +270,58 @@ impl Report {
                 fixed(r.host_ms, 1),
             );
         }
+        s += &self.longest_markdown();
         s += &self.scaling_markdown();
+        s
+    }
+
+    /// The longest sequence each implementation trained at (per model,
+    /// batch and dtype), and the length where it failed, when the rows
+    /// cover more than one length.
+    fn longest_markdown(&self) -> String {
+        let mut groups: Vec<&crate::train::TrainRow> = Vec::new();
+        for r in &self.train {
+            if !groups.iter().any(|g| same_run(g, r)) {
+                groups.push(r);
+            }
+        }
+        let lengths = |g: &crate::train::TrainRow| {
+            let mut seqs: Vec<_> = self.train.iter().filter(|r| same_run(r, g)).collect();
+            seqs.sort_by_key(|r| r.seq);
+            seqs
+        };
+        if groups.iter().all(|g| lengths(g).len() < 2) {
+            return String::new();
+        }
+        let mut s = String::from(
+            "
+Longest sequence trained (per implementation; the first length that failed, and why):
+
+| model | batch | dtype | implementation | longest seq | failed at |
+|---|---:|---|---|---:|---|
+",
+        );
+        groups.sort_by(|a, b| {
+            (&a.model, a.batch, &a.implementation).cmp(&(&b.model, b.batch, &b.implementation))
+        });
+        for g in groups {
+            let rows = lengths(g);
+            let longest = rows.iter().rev().find(|r| r.ms_per_step.is_some());
+            let failed = rows.iter().find_map(|r| {
+                r.error
+                    .as_deref()
+                    .map(|e| format!("{} ({})", r.seq, crate::train::failure_label(e)))
+            });
+            s += &format!(
+                "| {} | {} | {} | {} | {} | {} |\n",
+                g.model,
+                g.batch,
+                g.dtype,
+                g.implementation,
+                longest.map_or("none".into(), |r| r.seq.to_string()),
+                failed.unwrap_or_default(),
+            );
+        }
         s
     }
 
@@ -449,4 +500,45 @@ fn step_ms(r: &crate::train::TrainRow) -> String {
 /// dtype.
 fn same_config(a: &crate::train::TrainRow, b: &crate::train::TrainRow) -> bool {
     a.model == b.model && a.batch == b.batch && a.seq == b.seq && a.dtype == b.dtype
+}
+
+/// Whether two training rows belong to one implementation's sweep over
+/// lengths: the same model, batch, dtype, implementation and GPUs.
+fn same_run(a: &crate::train::TrainRow, b: &crate::train::TrainRow) -> bool {
+    a.model == b.model
+        && a.batch == b.batch
+        && a.dtype == b.dtype
+        && a.implementation == b.implementation
+        && a.devices == b.devices
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chart::tests::row;
+
+    #[test]
+    fn the_longest_length_of_each_implementation_and_its_failure_are_listed() {
+        let mut report = Report::new("cuda", "gpu", false, f64::NAN);
+        let oom = "out of memory on the device: an allocation failed";
+        report.train = vec![
+            row("bastile", 1024, Some(10.0), None),
+            row("burn", 1024, Some(20.0), None),
+            row("bastile", 2048, Some(20.0), None),
+            row("burn", 2048, None, Some(oom)),
+            row("bastile", 4096, None, Some("timed out after 10 s")),
+        ];
+        let table = report.longest_markdown();
+        assert!(
+            table.contains("| m | 1 | bf16 | bastile | 2048 | 4096 (timed out) |"),
+            "{table}"
+        );
+        assert!(
+            table.contains("| m | 1 | bf16 | burn | 1024 | 2048 (out of memory) |"),
+            "{table}"
+        );
+        // One length each: nothing to say.
+        report.train.retain(|r| r.seq == 1024);
+        assert_eq!(report.longest_markdown(), "");
+    }
 }

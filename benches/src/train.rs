@@ -15,9 +15,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use bastile::launch_failure::{allocation_failure, out_of_memory_message};
 use bastile::{Bastile, BastileBackend, Patches};
 use bastile_cli::warmup::random_batch;
-use bastile_models::{CausalLm, LoraConfig, MicroBatch, TrainConfig, Trainer, presets};
+use bastile_models::{
+    CausalLm, Checkpointing, LoraConfig, MicroBatch, TrainConfig, Trainer, presets,
+};
 use burn::backend::Autodiff;
 use burn::tensor::DType;
 use burn::tensor::backend::AutodiffBackend;
@@ -159,6 +162,9 @@ pub fn sweep(args: &Args, models: &[String], report: &mut Report) {
                     if let Some(rank) = args.lora {
                         name = format!("{name}, LoRA r{rank}");
                     }
+                    if let Some(every) = args.checkpointing {
+                        name = format!("{name}, checkpointing {}", Checkpointing::Every(every));
+                    }
                     if devices > 1 {
                         name = format!("{name}, {devices} GPUs");
                     }
@@ -230,6 +236,10 @@ fn child(
         .lora
         .map(|r| vec!["--lora".into(), r.to_string()])
         .unwrap_or_default();
+    let checkpointing: Vec<String> = args
+        .checkpointing
+        .map(|n| vec!["--checkpointing".into(), n.to_string()])
+        .unwrap_or_default();
     let spawned = Command::new(exe)
         .args(["--runtime", &runtime, "--model", model, "--impl"])
         .arg(imp_name.get_name())
@@ -240,6 +250,7 @@ fn child(
         .args(["--layout", layout.name()])
         .args(["--devices", &devices.to_string()])
         .args(&lora)
+        .args(&checkpointing)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn();
@@ -253,12 +264,14 @@ fn child(
     let task = task.to_string();
     let echo = std::thread::spawn(move || {
         let mut tail = Vec::new();
-        let mut oom = false;
+        let mut oom = None;
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
             progress::child_line(&task, &line);
             // The first panic names the cause; the panics it sets off on
             // other threads fill the tail.
-            oom |= is_out_of_memory(&line);
+            if oom.is_none() {
+                oom = out_of_memory(&line);
+            }
             tail.push(line);
             if tail.len() > 8 {
                 tail.remove(0);
@@ -299,8 +312,8 @@ fn child(
     match row.map(|r| serde_json::from_str::<TrainRow>(&r)) {
         Some(Ok(row)) => row,
         Some(Err(e)) => failed(format!("unreadable result: {e}")),
-        None => failed(if oom {
-            "out of memory".into()
+        None => failed(if let Some(oom) = oom {
+            oom
         } else {
             let first = tail
                 .iter()
@@ -323,12 +336,17 @@ pub fn failure_label(error: &str) -> &'static str {
     }
 }
 
-/// Whether a line of a child's stderr reports a failed device allocation
-/// (CubeCL says it "can't allocate buffer").
-fn is_out_of_memory(line: &str) -> bool {
+/// What a line of a child's stderr says of a failed device allocation:
+/// with its size where CubeCL names it ("can't allocate buffer of size"),
+/// `None` when it reports none.
+fn out_of_memory(line: &str) -> Option<String> {
+    if let Some(bytes) = allocation_failure(line) {
+        return Some(out_of_memory_message(bytes));
+    }
     ["out of memory", "OutOfMemory", "can't allocate buffer"]
         .iter()
         .any(|m| line.contains(m))
+        .then(|| "out of memory".into())
 }
 
 fn attention_name(args: &Args) -> &'static str {
@@ -430,6 +448,9 @@ impl<'a> Run<'a> {
             steps: args.steps,
             layout: args.layout.first().copied().unwrap_or(DataLayout::Full),
             lora: args.lora,
+            checkpointing: args
+                .checkpointing
+                .map_or(Checkpointing::Off, Checkpointing::Every),
         }
     }
 
@@ -454,6 +475,7 @@ struct Run<'a> {
     layout: DataLayout,
     /// LoRA rank: adapters on every projection of the frozen model.
     lora: Option<usize>,
+    checkpointing: Checkpointing,
 }
 
 /// Data-parallel training: every worker's device (the first is the
@@ -485,6 +507,7 @@ where
         steps,
         layout,
         lora,
+        checkpointing,
     } = run;
     let config = presets::preset(model).map_err(|e| e.to_string())?;
     let started = Instant::now();
@@ -494,6 +517,7 @@ where
             Some(rank) => m.with_lora(LoraConfig::new(rank).with_alpha(2.0 * rank as f64), device),
             None => Ok(m),
         })
+        .and_then(|m| m.with_checkpointing(checkpointing))
         .map_err(|e| e.to_string())?;
     let vocab = lm.config.vocab_size;
     let timed_steps = steps.max(1);
@@ -647,11 +671,22 @@ mod tests {
 
     #[test]
     fn cubecl_allocation_failures_read_as_out_of_memory() {
-        assert!(super::is_out_of_memory(
-            "called `Result::unwrap()` on an `Err` value: can't allocate buffer of size: 5313593344"
-        ));
-        assert!(!super::is_out_of_memory(
-            "called `Result::unwrap()` on an `Err` value: CallError"
-        ));
+        let oom = super::out_of_memory(
+            "called `Result::unwrap()` on an `Err` value: can't allocate buffer of size: 5313593344",
+        )
+        .unwrap();
+        assert_eq!(
+            oom,
+            "out of memory on the device: an allocation of 5313593344 bytes (4.95 GiB) failed"
+        );
+        assert_eq!(super::failure_label(&oom), "out of memory");
+        assert_eq!(
+            super::out_of_memory("CUDA error: out of memory").as_deref(),
+            Some("out of memory")
+        );
+        assert_eq!(
+            super::out_of_memory("called `Result::unwrap()` on an `Err` value: CallError"),
+            None
+        );
     }
 }

@@ -26,6 +26,19 @@ pub enum CliError {
     /// Loading, saving or running the model.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// The GPU ran out of memory during a step.
+    #[error(
+        "{}, training step {step} on micro-batches of {rows} x {length} tokens; a shorter \
+         --max-seq, a smaller --batch-size or --checkpointing needs less memory",
+        bastile::launch_failure::out_of_memory_message(*bytes)
+    )]
+    OutOfMemory {
+        step: usize,
+        rows: usize,
+        length: usize,
+        /// What the failed allocation asked for.
+        bytes: u64,
+    },
 }
 
 impl CliError {

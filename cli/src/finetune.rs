@@ -4,13 +4,15 @@
 //! resumes from (see [`crate::checkpoint`]) and a final Hugging Face
 //! export.
 
+use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use bastile::BastileBackend;
+use bastile::launch_failure::out_of_memory;
 use bastile_models::{
-    CausalLm, Collective, DataParallelOptions, LoraConfig, MicroBatch, ModelError, OptimizerKind,
-    TrainConfig, Trainer,
+    CausalLm, Checkpointing, Collective, DataParallelOptions, LoraConfig, MicroBatch, ModelError,
+    OptimizerKind, TrainConfig, Trainer,
 };
 use burn::module::Module;
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -90,6 +92,8 @@ pub struct FinetuneOptions {
     /// CUDA GPUs to train on data-parallel (1: the one `--device` picks):
     /// each step takes `grad_accum` micro-batches per GPU.
     pub devices: usize,
+    /// Which layers recompute their activations in the backward pass.
+    pub checkpointing: Checkpointing,
 }
 
 /// What a finetuning run did.
@@ -255,7 +259,7 @@ impl Finetune {
         };
         let dtype = o.dtype.resolve(&info)?;
         let model = model.with_dtype(dtype)?;
-        let mut model = match (&o.lora, model.lora_config()) {
+        let model = match (&o.lora, model.lora_config()) {
             (Some(config), None) => {
                 let base = source.name();
                 model.with_lora(config.clone().with_base_model(Some(base)), &device)?
@@ -272,6 +276,7 @@ impl Finetune {
             }
             (None, _) => model,
         };
+        let mut model = model.with_checkpointing(o.checkpointing)?;
         let per_step = o.batch_size * o.grad_accum * o.devices;
         let multiple = o.pad_to_multiple.unwrap_or(info.pad_multiple());
         // Packed rows hold the longest example (rounded up to the padding
@@ -369,9 +374,12 @@ impl Finetune {
             );
         }
         let done = trainer.steps();
-        let trained = model.lora_config().map_or(String::new(), |c| {
+        let mut trained = model.lora_config().map_or(String::new(), |c| {
             format!(", LoRA {} (base frozen)", lora_setting(c))
         });
+        if model.checkpointing != Checkpointing::Off {
+            trained += &format!(", activation checkpointing of {}", model.checkpointing);
+        }
         let rows = if o.packing {
             format!("rows of {row_len} tokens, each packing whole examples")
         } else {
@@ -444,7 +452,24 @@ impl Finetune {
                 batch_tokens += batch.tokens;
                 micro.push(batch.to_device(&devices[i / o.grad_accum]));
             }
-            let (m, out) = trainer.step(model, &micro);
+            // Out of device memory, the step fails (or its read panics)
+            // and the device is not used again: the run ends naming it.
+            let stepped =
+                std::panic::catch_unwind(AssertUnwindSafe(|| trainer.step(model, &micro)));
+            if let Some(bytes) = out_of_memory() {
+                let [rows, length] = micro
+                    .iter()
+                    .map(|m| m.ids.dims())
+                    .max_by_key(|[rows, length]| rows * length)
+                    .expect("a step has micro-batches");
+                return Err(CliError::OutOfMemory {
+                    step,
+                    rows,
+                    length,
+                    bytes,
+                });
+            }
+            let (m, out) = stepped.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
             model = m;
             let out = match out {
                 Err(e @ ModelError::NonFinite { .. })

@@ -1,6 +1,7 @@
 //! `bastile finetune` and `bastile generate`: see `bastile --help`.
 
 use std::io::IsTerminal;
+use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -12,7 +13,7 @@ use bastile_cli::generate::{self, GenerateOptions};
 use bastile_cli::warmup::{self, WarmupOptions};
 use bastile_cli::{CliError, DTypeArg};
 use bastile_models::lora::parse_targets;
-use bastile_models::{LoraConfig, OptimizerKind};
+use bastile_models::{Checkpointing, LoraConfig, OptimizerKind};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Parser)]
@@ -93,6 +94,12 @@ enum Command {
         /// before each update. Checkpoints are written once.
         #[arg(long, value_name = "N", default_value_t = 1)]
         devices: usize,
+        /// Activation checkpointing: keep only each layer's input and run
+        /// the layer again in the backward pass (one more forward pass of
+        /// the layers for far less memory). With N, only every N-th layer
+        /// (0, N, 2N, ...).
+        #[arg(long, value_name = "N", num_args = 0..=1, default_missing_value = "1")]
+        checkpointing: Option<usize>,
         /// Passes over the data (default: 60 for the tiny preset, which
         /// starts from random weights, else 3).
         #[arg(long)]
@@ -281,8 +288,22 @@ impl OptimizerArg {
     }
 }
 
+/// `--checkpointing [N]`.
+fn checkpointing_arg(every: Option<usize>) -> Result<Checkpointing, CliError> {
+    match every.map(NonZeroUsize::new) {
+        None => Ok(Checkpointing::Off),
+        Some(Some(n)) => Ok(Checkpointing::Every(n)),
+        Some(None) => Err(CliError::Usage(
+            "--checkpointing 0: checkpoint every N-th layer needs N of at least 1".into(),
+        )),
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Running out of GPU memory is one error naming the step, not a panic
+    // of every thread that meets the missing buffer.
+    bastile::launch_failure::watch_out_of_memory();
     // Kernels compiled by an earlier run on this machine load from disk.
     let cache = bastile::kernel_cache::use_kernel_cache();
     match run(cli, &cache) {
@@ -306,6 +327,7 @@ fn run(cli: Cli, cache: &KernelCache) -> Result<(), CliError> {
             pad_to_multiple,
             grad_accum,
             devices,
+            checkpointing,
             epochs,
             steps,
             lr,
@@ -358,6 +380,7 @@ fn run(cli: Cli, cache: &KernelCache) -> Result<(), CliError> {
                 lora: lora.config()?,
                 merge_lora: lora.merge_lora,
                 devices,
+                checkpointing: checkpointing_arg(checkpointing)?,
             };
             finetune::run(common.device, !common.no_bastile, options)?;
         }

@@ -15,7 +15,7 @@ use bastile_cli::warmup::{self, WarmupOptions};
 use bastile_cli::{CliError, DTypeArg};
 use bastile_cubecl::FloatDtype;
 use bastile_cubecl::testing::{from_bytes, rel_l2, runtime_selected};
-use bastile_models::{LoraConfig, OptimizerKind};
+use bastile_models::{Checkpointing, LoraConfig, OptimizerKind};
 use safetensors::SafeTensors;
 
 fn temp_dir(name: &str) -> PathBuf {
@@ -58,6 +58,7 @@ fn options(output: PathBuf, steps: usize) -> FinetuneOptions {
         lora: None,
         merge_lora: false,
         devices: 1,
+        checkpointing: Checkpointing::Off,
     }
 }
 
@@ -550,6 +551,14 @@ fn bad_options_fail_before_training() {
         "{e}"
     );
     let mut o = options(temp_dir("bad"), 1);
+    o.checkpointing = Checkpointing::ALL;
+    o.lora = Some(LoraConfig::new(4).with_dropout(0.1));
+    let e = finetune(DeviceKind::Cpu, false, o).unwrap_err().to_string();
+    assert!(
+        e.contains("activation checkpointing (every layer) cannot be combined with LoRA dropout"),
+        "{e}"
+    );
+    let mut o = options(temp_dir("bad"), 1);
     o.dtype = DTypeArg::Bf16;
     let e = finetune(DeviceKind::Cpu, false, o).unwrap_err().to_string();
     assert!(e.contains("needs --device cuda"), "{e}");
@@ -572,18 +581,62 @@ fn bad_options_fail_before_training() {
 
 #[test]
 fn the_command_line_reports_errors_with_a_failing_status() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_bastile"))
-        .args([
-            "finetune", "--device", "cpu", "--model", "nowhere", "--steps", "1",
-        ])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let bastile = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_bastile"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let stderr = bastile(&[
+        "finetune", "--device", "cpu", "--model", "nowhere", "--steps", "1",
+    ]);
     assert!(
         stderr.contains("error: `nowhere` is neither a model directory nor a preset"),
         "{stderr}"
     );
+    let stderr = bastile(&[
+        "finetune",
+        "--device",
+        "cpu",
+        "--steps",
+        "1",
+        "--checkpointing",
+        "0",
+    ]);
+    assert!(
+        stderr.contains(
+            "error: --checkpointing 0: checkpoint every N-th layer needs N of at least 1"
+        ),
+        "{stderr}"
+    );
+}
+
+/// Activation checkpointing recomputes what the plain run keeps: the
+/// same losses (f32, within 1e-6), every layer or every other.
+#[test]
+fn checkpointed_runs_repeat_the_plain_losses() {
+    let run = |checkpointing| {
+        let mut o = options(temp_dir("ckpt"), 4);
+        o.checkpointing = checkpointing;
+        finetune(DeviceKind::Cpu, true, o).unwrap().losses
+    };
+    let plain = run(Checkpointing::Off);
+    for checkpointing in [
+        Checkpointing::ALL,
+        Checkpointing::Every(std::num::NonZeroUsize::new(2).unwrap()),
+    ] {
+        let losses = run(checkpointing);
+        assert_eq!(losses.len(), plain.len());
+        for (step, (a, b)) in losses.iter().zip(&plain).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-6 * b.abs(),
+                "{checkpointing}, step {}: {a} vs {b}",
+                step + 1
+            );
+        }
+    }
 }
 
 /// With fused kernels on a GPU runtime, the tiny model's losses follow

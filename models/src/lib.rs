@@ -6,6 +6,7 @@
 //! [`presets`] names the published sizes so nothing needs a download.
 
 pub mod attention;
+pub mod checkpointing;
 pub mod clip;
 pub mod config;
 mod error;
@@ -18,6 +19,7 @@ pub mod parallel;
 pub mod presets;
 pub mod train;
 
+pub use checkpointing::Checkpointing;
 pub use config::{Architecture, HfConfig, ModelConfig, MoeConfig};
 pub use error::ModelError;
 pub use lora::{LoraConfig, LoraTarget};

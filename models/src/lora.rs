@@ -589,6 +589,7 @@ impl<B: Backend> CausalLm<B> {
             });
         }
         model.lora = Some(config);
+        model.check_checkpointing()?;
         Ok(model)
     }
 

@@ -15,6 +15,7 @@ use burn::tensor::{Bool, DType, Int, Tensor};
 
 use crate::ModelError;
 use crate::attention::Attention;
+use crate::checkpointing::Checkpointing;
 use crate::config::{HfConfig, ModelConfig};
 use crate::lora::{LayerAdapters, LoraConfig};
 use crate::mlp::Mlp;
@@ -67,6 +68,10 @@ pub struct CausalLm<B: Backend> {
     /// The config of the layers' LoRA adapters, when they have them.
     #[module(skip)]
     pub lora: Option<LoraConfig>,
+    /// Which layers recompute their activations in training
+    /// ([`CausalLm::with_checkpointing`]).
+    #[module(skip)]
+    pub checkpointing: Checkpointing,
 }
 
 impl<B: Backend> CausalLm<B> {
@@ -112,6 +117,7 @@ impl<B: Backend> CausalLm<B> {
             hf_config: hf_config.clone(),
             rotary: Rotary { inv_freq, scaling },
             lora: None,
+            checkpointing: Checkpointing::Off,
         })
     }
 
@@ -280,39 +286,37 @@ impl<B: BastileBackend> CausalLm<B> {
     ) -> Result<Tensor<B, 3>, ModelError> {
         self.check_shape(&ids, positions.as_ref())?;
         self.check_token_ids(&ids).result()?;
-        self.decode(ids, positions)
+        let x = self.decode(ids, positions)?;
+        Ok(self.model.norm.try_forward(x)?)
     }
 
-    /// [`CausalLm::hidden_of`] of ids already checked (or clamped).
+    /// The layers' output for ids already checked (or clamped), before the
+    /// final norm.
     fn decode(
         &self,
         ids: Tensor<B, 2, Int>,
         positions: Option<Tensor<B, 2, Int>>,
     ) -> Result<Tensor<B, 3>, ModelError> {
-        let [_, s] = ids.dims();
-        let device = ids.device();
-        let (inv_freq, scaling) = (&self.rotary.inv_freq, self.rotary.scaling);
-        let tables = match &positions {
-            Some(p) => RopeTables::for_positions(p.clone(), inv_freq, scaling),
-            None => RopeTables::new(s, inv_freq, scaling, &device),
-        };
+        let tables = self.rope_tables(&ids, positions.as_ref());
         let mut x = self.model.embed_tokens.forward(ids);
         for layer in &self.model.layers {
-            let adapters = layer.lora.as_ref();
-            let a = layer.self_attn.forward(
-                layer.input_layernorm.try_forward(x.clone())?,
-                &tables,
-                positions.as_ref(),
-                adapters.map(|l| &l.self_attn),
-            )?;
-            x = x + a;
-            let m = layer.mlp.forward(
-                layer.post_attention_layernorm.try_forward(x.clone())?,
-                adapters.map(|l| &l.mlp),
-            )?;
-            x = x + m;
+            x = layer.forward(x, &tables, positions.as_ref())?;
         }
-        Ok(self.model.norm.try_forward(x)?)
+        Ok(x)
+    }
+
+    /// RoPE's tables for rows of `ids`: each token's place in its row, or
+    /// in its document when `positions` pack several.
+    pub(crate) fn rope_tables(
+        &self,
+        ids: &Tensor<B, 2, Int>,
+        positions: Option<&Tensor<B, 2, Int>>,
+    ) -> RopeTables<B> {
+        let (inv_freq, scaling) = (&self.rotary.inv_freq, self.rotary.scaling);
+        match positions {
+            Some(p) => RopeTables::for_positions(p.clone(), inv_freq, scaling),
+            None => RopeTables::new(ids.dims()[1], inv_freq, scaling, &ids.device()),
+        }
     }
 
     /// Logits `[batch, seq, vocab]` (materialized: for inference and
@@ -365,6 +369,20 @@ impl<B: BastileBackend> CausalLm<B> {
         positions: Option<Tensor<B, 2, Int>>,
         options: CrossEntropyOptions,
     ) -> Result<CrossEntropyOutput<B>, ModelError> {
+        let input = self.loss_input(ids, labels, positions, options)?;
+        let x = self.decode(input.ids, input.positions)?;
+        self.head_loss(x, input.shifted, options)
+    }
+
+    /// The checked (or, with a deferred label check, clamped) ids and the
+    /// shifted labels of [`CausalLm::loss`].
+    pub(crate) fn loss_input(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        labels: Tensor<B, 2, Int>,
+        positions: Option<Tensor<B, 2, Int>>,
+        options: CrossEntropyOptions,
+    ) -> Result<LossInput<B>, ModelError> {
         self.check_shape(&ids, positions.as_ref())?;
         let [b, s] = ids.dims();
         let [lb, ls] = labels.dims();
@@ -398,8 +416,23 @@ impl<B: BastileBackend> CausalLm<B> {
             ],
             1,
         );
-        let x = self.decode(ids, positions)?;
-        let h = self.config.hidden_size;
+        Ok(LossInput {
+            ids,
+            shifted,
+            positions,
+        })
+    }
+
+    /// The loss of the final hidden states `x` (`[batch, seq, hidden]`,
+    /// before the final norm) against `shifted` labels.
+    pub(crate) fn head_loss(
+        &self,
+        x: Tensor<B, 3>,
+        shifted: Tensor<B, 2, Int>,
+        options: CrossEntropyOptions,
+    ) -> Result<CrossEntropyOutput<B>, ModelError> {
+        let [b, s, h] = x.dims();
+        let x = self.model.norm.try_forward(x)?;
         Ok(linear_cross_entropy(
             x.reshape([b * s, h]),
             self.head_weight(),
@@ -407,6 +440,41 @@ impl<B: BastileBackend> CausalLm<B> {
             shifted.reshape([b * s]),
             options,
         )?)
+    }
+}
+
+/// What [`CausalLm::loss_input`] makes of a batch.
+pub(crate) struct LossInput<B: Backend> {
+    /// `[batch, seq]` ids inside the vocabulary.
+    pub(crate) ids: Tensor<B, 2, Int>,
+    /// `[batch, seq]`: the label each position predicts (the next one's),
+    /// the ignore index where none counts.
+    pub(crate) shifted: Tensor<B, 2, Int>,
+    pub(crate) positions: Option<Tensor<B, 2, Int>>,
+}
+
+impl<B: BastileBackend> Layer<B> {
+    /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`: attention and
+    /// the MLP, each behind its norm and added to the residual stream.
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        tables: &RopeTables<B>,
+        positions: Option<&Tensor<B, 2, Int>>,
+    ) -> Result<Tensor<B, 3>, ModelError> {
+        let adapters = self.lora.as_ref();
+        let a = self.self_attn.forward(
+            self.input_layernorm.try_forward(x.clone())?,
+            tables,
+            positions,
+            adapters.map(|l| &l.self_attn),
+        )?;
+        let x = x + a;
+        let m = self.mlp.forward(
+            self.post_attention_layernorm.try_forward(x.clone())?,
+            adapters.map(|l| &l.mlp),
+        )?;
+        Ok(x + m)
     }
 }
 

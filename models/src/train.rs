@@ -592,17 +592,15 @@ where
         let mut id_checks = Vec::with_capacity(micro_batches.len());
         for m in micro_batches {
             id_checks.push(model.check_token_ids(&m.ids));
-            let out = micro_batch_loss(
-                model,
+            let (out, grads) = model.loss_and_grads(
                 m.ids.clone(),
                 m.labels.clone(),
                 m.positions.clone(),
                 options,
+                divisor.clone(),
             )?;
-            let loss = out.loss / divisor.clone();
-            losses.push(loss.clone().detach());
+            losses.push(out.loss);
             checks.push(out.label_check.expect("a deferred label check"));
-            let grads = GradientsParams::from_grads(loss.backward(), model);
             accumulator.accumulate(model, grads);
         }
         let mut grads = accumulator.grads();

@@ -1,6 +1,7 @@
 //! The model tests, linked into a single test binary so Burn and the models
 //! are compiled once.
 
+mod checkpointing;
 mod hf_parity;
 mod loading;
 mod lora;

@@ -1,0 +1,235 @@
+//! Activation checkpointing of the decoder layers: a checkpointed layer
+//! keeps only its input during the forward pass and runs again, with its
+//! autodiff graph, when the backward pass reaches it. Memory then grows
+//! with one `[batch, seq, hidden]` tensor per layer instead of every
+//! activation of every layer, for one more forward pass of the layers.
+//!
+//! The backward pass runs layer by layer, last first: each layer's graph
+//! is differentiated on its own, seeded with the gradient of its output,
+//! and hands the gradient of its input to the layer before it. Layers that
+//! are not checkpointed ([`Checkpointing::Every`] above 1) keep their graph
+//! from the forward pass.
+
+use std::num::NonZeroUsize;
+
+use bastile::{BastileBackend, CrossEntropyOptions, CrossEntropyOutput, RopeTables};
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Int, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::ModelError;
+use crate::model::{CausalLm, LossInput};
+
+/// Which decoder layers recompute their activations in the backward pass
+/// instead of keeping them ([`CausalLm::with_checkpointing`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Checkpointing {
+    /// Every layer keeps what its backward pass needs (fastest, most
+    /// memory).
+    #[default]
+    Off,
+    /// Layers 0, n, 2n, … keep only their input and run again in the
+    /// backward pass; the others keep their activations. `Every(1)`
+    /// checkpoints every layer (least memory).
+    Every(NonZeroUsize),
+}
+
+impl Checkpointing {
+    /// Every layer checkpointed.
+    pub const ALL: Checkpointing = Checkpointing::Every(NonZeroUsize::MIN);
+
+    /// Whether `layer` (counted from 0) is recomputed.
+    pub fn recomputes(self, layer: usize) -> bool {
+        match self {
+            Checkpointing::Off => false,
+            Checkpointing::Every(n) => layer.is_multiple_of(n.get()),
+        }
+    }
+}
+
+impl std::fmt::Display for Checkpointing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Checkpointing::Off => write!(f, "off"),
+            Checkpointing::Every(n) if n.get() == 1 => write!(f, "every layer"),
+            Checkpointing::Every(n) => write!(f, "one layer in {n}"),
+        }
+    }
+}
+
+impl<B: Backend> CausalLm<B> {
+    /// The model with `checkpointing` of its layers in training
+    /// ([`CausalLm::loss_and_grads`]). Refused with LoRA dropout: the
+    /// recomputed layers would draw other dropout masks than the forward
+    /// pass did.
+    pub fn with_checkpointing(mut self, checkpointing: Checkpointing) -> Result<Self, ModelError> {
+        self.checkpointing = checkpointing;
+        self.check_checkpointing()?;
+        Ok(self)
+    }
+
+    /// Refuses checkpointing with LoRA dropout.
+    pub(crate) fn check_checkpointing(&self) -> Result<(), ModelError> {
+        match &self.lora {
+            Some(lora) if lora.dropout > 0.0 && self.checkpointing != Checkpointing::Off => {
+                Err(ModelError::Config(format!(
+                    "activation checkpointing ({}) cannot be combined with LoRA dropout ({}): a \
+                     recomputed layer would draw other dropout masks than its forward pass; set \
+                     the dropout to 0 or turn checkpointing off",
+                    self.checkpointing, lora.dropout
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+impl<B> CausalLm<B>
+where
+    B: AutodiffBackend + BastileBackend,
+    B::InnerBackend: BastileBackend,
+{
+    /// [`CausalLm::loss`] (or [`CausalLm::loss_packed`] with `positions`)
+    /// divided by `divisor`, and the gradients of that quotient, with the
+    /// model's [`Checkpointing`]. The returned loss is detached.
+    pub fn loss_and_grads(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        labels: Tensor<B, 2, Int>,
+        positions: Option<Tensor<B, 2, Int>>,
+        options: CrossEntropyOptions,
+        divisor: Tensor<B, 1>,
+    ) -> Result<(CrossEntropyOutput<B>, GradientsParams), ModelError> {
+        if self.checkpointing == Checkpointing::Off {
+            let mut out = match positions {
+                Some(p) => self.loss_packed(ids, labels, p, options)?,
+                None => self.loss(ids, labels, options)?,
+            };
+            let loss = out.loss / divisor;
+            out.loss = loss.clone().detach();
+            return Ok((out, GradientsParams::from_grads(loss.backward(), self)));
+        }
+        self.check_checkpointing()?;
+        let input = self.loss_input(ids, labels, positions, options)?;
+        let LossInput {
+            ids,
+            shifted,
+            positions,
+        } = input;
+        let tables = self.rope_tables(&ids, positions.as_ref());
+
+        // Forward: checkpointed layers run on the inner backend (no graph)
+        // and keep their input; the others record their graph from a leaf.
+        let inner_ids = ids.clone().inner();
+        let inner_positions = positions.clone().map(Tensor::inner);
+        let inner_tables = RopeTables {
+            cos: tables.cos.clone().inner(),
+            sin: tables.sin.clone().inner(),
+        };
+        let mut x = self.model.embed_tokens.valid().forward(inner_ids);
+        let mut saved = Vec::with_capacity(self.model.layers.len());
+        for (i, layer) in self.model.layers.iter().enumerate() {
+            if self.checkpointing.recomputes(i) {
+                let out =
+                    layer
+                        .valid()
+                        .forward(x.clone(), &inner_tables, inner_positions.as_ref())?;
+                saved.push(Saved::Input(x));
+                x = out;
+            } else {
+                let leaf = Tensor::from_inner(x).require_grad();
+                let out = layer.forward(leaf.clone(), &tables, positions.as_ref())?;
+                x = out.clone().inner();
+                saved.push(Saved::Graph { leaf, out });
+            }
+        }
+
+        // Backward, last segment first: the head and loss, each layer,
+        // then the embeddings.
+        let mut grads = GradientsParams::new();
+        let leaf = Tensor::from_inner(x).require_grad();
+        let mut out = self.head_loss(leaf.clone(), shifted, options)?;
+        let loss = out.loss / divisor;
+        out.loss = loss.clone().detach();
+        let mut segment = loss.backward();
+        take_grads(&mut segment, &self.model.norm, &mut grads);
+        match &self.lm_head {
+            Some(head) => take_grads(&mut segment, head, &mut grads),
+            None => take_grads(&mut segment, &self.model.embed_tokens, &mut grads),
+        }
+        let mut dx = input_grad(&leaf, &mut segment);
+        for (layer, saved) in self.model.layers.iter().zip(saved).rev() {
+            let (leaf, out) = match saved {
+                Saved::Input(x) => {
+                    let leaf = Tensor::from_inner(x).require_grad();
+                    let out = layer.forward(leaf.clone(), &tables, positions.as_ref())?;
+                    (leaf, out)
+                }
+                Saved::Graph { leaf, out } => (leaf, out),
+            };
+            // The backward pass of `out · dx` seeds `out`'s gradient with
+            // ones times `dx`: the layer's backward pass from `dx`.
+            let mut segment = (out * dx).backward();
+            take_grads(&mut segment, layer, &mut grads);
+            dx = input_grad(&leaf, &mut segment);
+        }
+        if self.model.embed_tokens.weight.val().is_require_grad() {
+            let x = self.model.embed_tokens.forward(ids);
+            let mut segment = (x * dx).backward();
+            take_grads(&mut segment, &self.model.embed_tokens, &mut grads);
+        }
+        Ok((out, grads))
+    }
+}
+
+/// What the forward pass keeps of one layer.
+enum Saved<B: AutodiffBackend> {
+    /// A checkpointed layer's input.
+    Input(Tensor<B::InnerBackend, 3>),
+    /// A layer run with its graph: its input (a leaf) and output.
+    Graph {
+        leaf: Tensor<B, 3>,
+        out: Tensor<B, 3>,
+    },
+}
+
+/// The gradient of a segment's input `leaf`, as a constant of the next
+/// segment's graph.
+fn input_grad<B: AutodiffBackend>(leaf: &Tensor<B, 3>, grads: &mut B::Gradients) -> Tensor<B, 3> {
+    // The segment's output is a function of its input, so the gradient is
+    // always there.
+    Tensor::from_inner(
+        leaf.grad_remove(grads)
+            .expect("a segment's output depends on its input"),
+    )
+}
+
+/// Moves the gradients of `module`'s parameters out of one segment's
+/// `segment` gradients into `into`, adding to what earlier segments gave
+/// (tied embeddings get one from the head and one from the lookup).
+fn take_grads<B: AutodiffBackend, M: Module<B>>(
+    segment: &mut B::Gradients,
+    module: &M,
+    into: &mut GradientsParams,
+) {
+    module.visit(&mut TakeGrads { segment, into });
+}
+
+struct TakeGrads<'a, B: AutodiffBackend> {
+    segment: &'a mut B::Gradients,
+    into: &'a mut GradientsParams,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for TakeGrads<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(grad) = param.val().grad_remove(self.segment) {
+            let sum = match self.into.remove::<B::InnerBackend, D>(param.id) {
+                Some(earlier) => earlier + grad,
+                None => grad,
+            };
+            self.into.register(param.id, sum);
+        }
+    }
+}
