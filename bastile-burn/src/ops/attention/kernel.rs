@@ -6,6 +6,7 @@ use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::ops::permute;
 use burn_cubecl::tensor::CubeTensor;
 
 use bastile_cubecl::KernelError;
@@ -197,6 +198,22 @@ fn dense<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape) -> (CubeTensor<R>, 
     (t, layout)
 }
 
+/// A fresh `[batch, heads, seq, head_dim]` tensor stored as `[batch, seq,
+/// heads, head_dim]`: a model reads the attention's output back as one
+/// row per token (`swap_dims(1, 2)`, then a reshape to `[batch, seq,
+/// heads · head_dim]`), which is then a view. Stored heads-major, that
+/// read would copy it, and the output projection's autodiff node would
+/// keep the copy beside the attention node's own.
+fn seq_major<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape) -> (CubeTensor<R>, HeadLayout) {
+    let [b, h, s, d] = [shape[0], shape[1], shape[2], shape[3]];
+    let t = contiguous(like, Shape::new([b, s, h, d]), like.dtype);
+    let layout = HeadLayout {
+        handle: t.handle.clone(),
+        strides: [s * h * d, d, h * d],
+    };
+    (permute(t, &[0, 2, 1, 3]), layout)
+}
+
 /// Sinks as contiguous f32.
 pub(super) fn sinks_f32<R: CubeRuntime>(s: CubeTensor<R>) -> CubeTensor<R> {
     let s = if s.dtype == DType::F32 {
@@ -282,7 +299,7 @@ fn forward<R: CubeRuntime>(
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     let problem = checked_problem(&t, &spec);
     let t = LaidOut::new(t);
-    let (out, out_l) = dense(&t.q, t.q.shape());
+    let (out, out_l) = seq_major(&t.q, t.q.shape());
     let lse = t.row_stats();
     let [q_l, k_l, v_l] = t.layouts.clone();
     let buffers = AttentionForwardBuffers {

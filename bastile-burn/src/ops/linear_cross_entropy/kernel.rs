@@ -78,22 +78,34 @@ kernel!(
 /// Tokens per chunk. Each chunk pays a fixed cost for the f32 `dW`
 /// accumulation (reading and writing it: 8·V·H bytes of traffic in the
 /// product's epilogue on cuBLASLt, 12·V·H elsewhere) against `6·C·H·V`
-/// flops of matmuls, so chunks of a few thousand tokens keep it small;
-/// the chunk's logits stay within half of the largest allocation the
-/// runtime makes (a quarter of device memory on CUDA).
+/// flops of matmuls: that cost is a share of the matmuls' time that only
+/// depends on the chunk's tokens (about 6% at 4096). The chunk's logits
+/// (`C·V` elements) take memory in proportion to `V/H`, which is large in
+/// small models (Qwen3-0.6B: 148), so a chunk has `H` tokens within
+/// 1024..=4096: its logits then weigh about as much as the weight. Up to
+/// `max(C, 2048)` tokens run as one chunk, which needs no f32 accumulator:
+/// in bf16 with `H ≥ 1024` the 4·V·H bytes it would take weigh as much as
+/// 2048 tokens' logits. The chunk's logits stay within half of the
+/// largest allocation the runtime makes (a quarter of device memory on
+/// CUDA).
 pub(crate) fn chunk_rows(
     tokens: usize,
-    vocab: usize,
+    (vocab, hidden): (usize, usize),
     elem_size: usize,
     max_allocation: u64,
     requested: Option<usize>,
 ) -> usize {
-    const TARGET: usize = 4096;
     if let Some(c) = requested {
         return c.clamp(1, tokens.max(1));
     }
+    let target = hidden.clamp(1024, 4096);
+    let target = if tokens <= target.max(2048) {
+        tokens
+    } else {
+        target
+    };
     let by_memory = (max_allocation as usize / 2) / (vocab * elem_size).max(1);
-    TARGET.min(by_memory).min(tokens).max(1)
+    target.min(by_memory).min(tokens).max(1)
 }
 
 /// Vocabulary rows per f32 weight-gradient product: the product of a slice
@@ -178,7 +190,7 @@ fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     let labels: Tensor<Cube<R, F, I, BT>, 1, Int> = Tensor::from_primitive(contiguous_i32(labels));
     let chunk = chunk_rows(
         n,
-        vocab,
+        (vocab, hidden_size),
         dtype.size(),
         client.properties().memory.max_page_size,
         spec.chunk_size,
@@ -301,4 +313,30 @@ fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
         bias: db.map(|db| prim(db.cast(dtype))),
     });
     (stats, grads)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::chunk_rows;
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn chunks_hold_hidden_size_tokens_and_short_inputs_run_whole() {
+        let qwen3_small = (151_936, 1024);
+        let chunk = |tokens, shape| chunk_rows(tokens, shape, 2, 20 * GIB, None);
+        // Up to 2048 tokens: one chunk, no f32 accumulator.
+        assert_eq!(chunk(2048, qwen3_small), 2048);
+        assert_eq!(chunk(4096, qwen3_small), 1024);
+        assert_eq!(chunk(131_072, qwen3_small), 1024);
+        assert_eq!(chunk(4096, (128_256, 2048)), 2048);
+        // Wide models keep chunks of 4096 (and one chunk up to there).
+        assert_eq!(chunk(4096, (151_936, 4096)), 4096);
+        assert_eq!(chunk(8192, (151_936, 4096)), 4096);
+        assert_eq!(chunk(8192, (151_936, 8192)), 4096);
+        // A requested size wins; the largest allocation bounds the logits.
+        assert_eq!(chunk_rows(8192, qwen3_small, 2, 20 * GIB, Some(300)), 300);
+        assert_eq!(chunk_rows(8192, qwen3_small, 2, GIB, None), 1024);
+        assert_eq!(chunk_rows(8192, qwen3_small, 2, GIB / 4, None), 441);
+    }
 }
