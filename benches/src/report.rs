@@ -221,6 +221,18 @@ impl Report {
         s
     }
 
+    /// The row of `implementation` measured at `r`'s model, batch, length
+    /// and dtype.
+    fn row_at(
+        &self,
+        r: &crate::train::TrainRow,
+        implementation: &str,
+    ) -> Option<&crate::train::TrainRow> {
+        self.train
+            .iter()
+            .find(|o| same_config(o, r) && o.implementation == implementation)
+    }
+
     /// The training table: per row the step time, tokens/s against the
     /// other implementations at the same shape, the first step's time,
     /// memory in use and reserved, and the host's share of a step.
@@ -242,10 +254,7 @@ impl Report {
                     Some(n) => format!("{name} + PEFT, LoRA r{n}"),
                     None => name.to_string(),
                 };
-                let other = self
-                    .train
-                    .iter()
-                    .find(|o| same_config(o, r) && o.implementation == name);
+                let other = self.row_at(r, &name);
                 match (r.ms_per_step, other.and_then(|o| o.ms_per_step)) {
                     (Some(a), Some(b)) if r.implementation != name => format!("{:.2}×", b / a),
                     _ => String::new(),
@@ -343,10 +352,7 @@ Longest sequence trained (per implementation; the first length that failed, and 
         for r in rows {
             let suffix = format!(", {} GPUs", r.devices);
             let single_name = r.implementation.strip_suffix(&suffix).unwrap_or_default();
-            let single = self
-                .train
-                .iter()
-                .find(|o| o.devices == 1 && same_config(o, r) && o.implementation == single_name);
+            let single = self.row_at(r, single_name).filter(|o| o.devices == 1);
             let one = single.and_then(|o| o.tokens_per_s);
             let efficiency = match (r.tokens_per_s, one) {
                 (Some(n), Some(one)) => format!("{:.1}%", 100.0 * n / (r.devices as f64 * one)),

@@ -103,10 +103,7 @@ where
         divisor: Tensor<B, 1>,
     ) -> Result<(CrossEntropyOutput<B>, GradientsParams), ModelError> {
         if self.checkpointing == Checkpointing::Off {
-            let mut out = match positions {
-                Some(p) => self.loss_packed(ids, labels, p, options)?,
-                None => self.loss(ids, labels, options)?,
-            };
+            let mut out = self.loss_of(ids, labels, positions, options)?;
             let loss = out.loss / divisor;
             out.loss = loss.clone().detach();
             return Ok((out, GradientsParams::from_grads(loss.backward(), self)));

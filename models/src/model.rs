@@ -362,7 +362,8 @@ impl<B: BastileBackend> CausalLm<B> {
         self.loss_of(ids, labels, Some(positions), options)
     }
 
-    fn loss_of(
+    /// [`CausalLm::loss`], or [`CausalLm::loss_packed`] with `positions`.
+    pub(crate) fn loss_of(
         &self,
         ids: Tensor<B, 2, Int>,
         labels: Tensor<B, 2, Int>,

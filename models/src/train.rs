@@ -10,7 +10,7 @@
 //! stopped run resumes where it was.
 
 use bastile::optim::{AdamW as FusedAdamW, AdamWConfig as FusedAdamWConfig, MomentDtype};
-use bastile::{BastileBackend, CrossEntropyOptions, CrossEntropyOutput, LabelCheck, Reduction};
+use bastile::{BastileBackend, CrossEntropyOptions, LabelCheck, Reduction};
 use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
@@ -136,21 +136,6 @@ pub struct MicroBatch<B: AutodiffBackend> {
     pub positions: Option<Tensor<B, 2, Int>>,
 }
 
-/// The loss of one micro-batch's tensors on `X` (the training backend or
-/// its inner one): packed or not.
-fn micro_batch_loss<X: BastileBackend>(
-    model: &CausalLm<X>,
-    ids: Tensor<X, 2, Int>,
-    labels: Tensor<X, 2, Int>,
-    positions: Option<Tensor<X, 2, Int>>,
-    options: CrossEntropyOptions,
-) -> Result<CrossEntropyOutput<X>, ModelError> {
-    match positions {
-        Some(p) => model.loss_packed(ids, labels, p, options),
-        None => model.loss(ids, labels, options),
-    }
-}
-
 /// What an optimizer step did.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepOutput {
@@ -235,8 +220,7 @@ where
         let mut sums = Vec::with_capacity(batches.len());
         let mut counts = Vec::with_capacity(batches.len());
         for m in batches {
-            let out = micro_batch_loss(
-                &model,
+            let out = model.loss_of(
                 m.ids.clone().inner(),
                 m.labels.clone().inner(),
                 m.positions.clone().map(|p| p.inner()),
