@@ -18,7 +18,9 @@
 //! gradient, in place over the logits when asked (the fused linear
 //! cross-entropy reuses its logits chunk that way). With a given `lse` (the
 //! backward pass of a loss whose forward already computed it) only the
-//! gradient pass runs.
+//! gradient pass runs; its rows may then be a slice of the vocabulary
+//! ([`VocabSlice`]), so that a caller can take the gradient of a few
+//! thousand columns of every row at a time.
 
 use std::sync::Arc;
 
@@ -66,11 +68,23 @@ pub enum RowScale {
     PerRow,
 }
 
+/// Columns `offset .. offset + problem.vocab` of rows of `vocab` logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VocabSlice {
+    pub offset: usize,
+    pub vocab: usize,
+}
+
 /// One cross-entropy launch: `rows` rows of `vocab` logits.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CrossEntropyProblem {
     pub rows: usize,
+    /// The logits per row this launch reads.
     pub vocab: usize,
+    /// Where those logits lie in rows of a larger vocabulary, in
+    /// [`CrossEntropyMode::Grad`] only (the statistics need whole rows);
+    /// `None`: the rows are whole.
+    pub slice: Option<VocabSlice>,
     /// The dtype of the logits and of the gradient.
     pub dtype: FloatDtype,
     /// A number every row stride is a multiple of (bounds the vector width).
@@ -96,6 +110,25 @@ impl CrossEntropyProblem {
                 "cross-entropy needs a positive vocabulary and stride multiple, got {self:?}"
             ));
         }
+        if let Some(s) = self.slice {
+            if self.mode != CrossEntropyMode::Grad {
+                return bad(format!(
+                    "a vocabulary slice needs the gradient-only mode, got {:?}",
+                    self.mode
+                ));
+            }
+            if s.offset
+                .checked_add(self.vocab)
+                .is_none_or(|end| end > s.vocab)
+            {
+                return bad(format!(
+                    "columns {}..{} do not lie within a vocabulary of {}",
+                    s.offset,
+                    s.offset.saturating_add(self.vocab),
+                    s.vocab
+                ));
+            }
+        }
         if !(0.0..=1.0).contains(&self.label_smoothing) {
             return bad(format!(
                 "label smoothing must lie in [0, 1], got {}",
@@ -114,6 +147,11 @@ impl CrossEntropyProblem {
             return bad(format!("the soft cap must be finite and positive, got {c}"));
         }
         Ok(())
+    }
+
+    /// The whole rows' vocabulary and the first column this launch reads.
+    fn columns(&self) -> (usize, usize) {
+        self.slice.map_or((self.vocab, 0), |s| (s.vocab, s.offset))
     }
 
     fn vector_size<R: Runtime>(&self, client: &ComputeClient<R>) -> usize {
@@ -224,6 +262,8 @@ fn cross_entropy_kernel<F: Float, N: Size>(
     row_scale: &Tensor<f32>,
     rows: usize,
     vocab_vecs: usize,
+    row_vocab: usize,
+    first_col: usize,
     logits_stride: usize,
     grad_stride: usize,
     ignore_index: i32,
@@ -242,11 +282,16 @@ fn cross_entropy_kernel<F: Float, N: Size>(
     if valid_row {
         label = labels[row];
     }
-    // The row counts when its label is a class; anything else (the ignore
-    // index, or an out-of-range label the checked API rejected) is skipped.
+    // The row counts when its label is a class of the whole row (of
+    // `row_vocab` logits, of which this launch reads `vocab` from
+    // `first_col`); anything else (the ignore index, or an out-of-range
+    // label the checked API rejected) is skipped.
     let active =
-        valid_row && label != ignore_index && label >= 0 && usize::cast_from(label) < vocab;
-    let label_col = select(active, usize::cast_from(label), 0usize);
+        valid_row && label != ignore_index && label >= 0 && usize::cast_from(label) < row_vocab;
+    let label_here = active
+        && usize::cast_from(label) >= first_col
+        && usize::cast_from(label) < first_col + vocab;
+    let label_col = select(label_here, usize::cast_from(label) - first_col, 0usize);
     let base = row * logits_stride;
     let units = cfg.units as usize;
     let iterations = vocab_vecs.div_ceil(units);
@@ -275,7 +320,7 @@ fn cross_entropy_kernel<F: Float, N: Size>(
         // Read before the reductions' barriers: after them other units may
         // overwrite the logits with gradients.
         let mut z_label = 0.0f32;
-        if UNIT_POS_X == 0 && active {
+        if UNIT_POS_X == 0 && label_here {
             z_label = label_logit::<F, N>(logits, base, label_col, cap, cfg.softcap);
         }
         let row_m = row_max(m, &mut scratch, cfg.units, cfg.slots, cfg.reduce);
@@ -296,7 +341,7 @@ fn cross_entropy_kernel<F: Float, N: Size>(
             if active {
                 loss = lse
                     - (1.0f32 - smoothing) * z_label
-                    - smoothing / f32::cast_from(vocab) * total_z
+                    - smoothing / f32::cast_from(row_vocab) * total_z
                     + z_coef * lse * lse;
             }
             losses[row] = loss;
@@ -317,7 +362,7 @@ fn cross_entropy_kernel<F: Float, N: Size>(
         }
         g_scale = select(active, g_scale, 0.0f32);
         let p_coef: Vector<f32, N> = Vector::new(1.0f32 + 2.0f32 * z_coef * lse);
-        let uniform: Vector<f32, N> = Vector::new(smoothing / f32::cast_from(vocab));
+        let uniform: Vector<f32, N> = Vector::new(smoothing / f32::cast_from(row_vocab));
         let target = 1.0f32 - smoothing;
         let lse_v: Vector<f32, N> = Vector::new(lse);
         let gbase = row * grad_stride;
@@ -327,7 +372,7 @@ fn cross_entropy_kernel<F: Float, N: Size>(
                 let x = Vector::<f32, N>::cast_from(logits[base + col]);
                 let z = soft_cap(x, cap, cfg.softcap);
                 let mut d = (z - lse_v).exp() * p_coef - uniform;
-                if active && col == label_col / n {
+                if label_here && col == label_col / n {
                     #[unroll]
                     for l in 0..n {
                         d[l] = select(l == label_col % n, d[l] - target, d[l]);
@@ -453,6 +498,7 @@ pub fn launch_with<R: Runtime>(
     }
     let v = config.vector_size;
     let vocab_vecs = problem.vocab / v;
+    let (row_vocab, first_col) = problem.columns();
     buffers.check(problem, v)?;
     let scale_len = problem.row_scale_len();
     // Arguments a mode does not use get a one-element stand-in.
@@ -480,6 +526,8 @@ pub fn launch_with<R: Runtime>(
             row_scale,
             problem.rows,
             vocab_vecs,
+            row_vocab,
+            first_col,
             buffers.logits.stride_vecs(v),
             grad_stride,
             problem.ignore_index,

@@ -195,6 +195,7 @@ impl RuntimeTest for Buffers {
         let problem = CrossEntropyProblem {
             rows: n,
             vocab: hidden,
+            slice: None,
             dtype: F32,
             stride_multiple: hidden,
             ignore_index: -100,

@@ -1,11 +1,12 @@
 //! Cross-entropy kernel against the f64 reference: every candidate, the
 //! autotuned entry point over odd and vocabulary-sized rows, every option
 //! (ignore index, label smoothing, z-loss, soft cap), the three modes, in
-//! place and out of place, per-row and uniform gradient scales, padded
-//! pitches and NaN-poisoned outputs.
+//! place and out of place, per-row and uniform gradient scales, slices of
+//! the vocabulary, padded pitches and NaN-poisoned outputs.
 
 use bastile_cubecl::cross_entropy::{
     self, CrossEntropyBuffers, CrossEntropyLaunch, CrossEntropyMode, CrossEntropyProblem, RowScale,
+    VocabSlice,
 };
 use bastile_cubecl::launch::gcd;
 use bastile_cubecl::reference::cross_entropy::{self as reference, Options};
@@ -29,6 +30,9 @@ struct Case {
     ignore_every: usize,
     /// Standard deviation of the logits.
     std: f64,
+    /// Launch over columns `offset .. offset + width` of each row only
+    /// (`(offset, width)`, gradient-only mode).
+    slice: Option<(usize, usize)>,
 }
 
 impl Case {
@@ -43,6 +47,7 @@ impl Case {
             in_place: false,
             ignore_every: 0,
             std: 2.0,
+            slice: None,
         }
     }
 }
@@ -101,9 +106,18 @@ fn check<R: Runtime>(
         RowScale::PerRow => row_scales[r],
     };
 
-    let stride = vocab + case.pad;
+    // The columns the launch reads: every one, or the case's slice.
+    let (first, width) = case.slice.unwrap_or((0, vocab));
+    let columns = |values: &[f64]| -> Vec<f64> {
+        values
+            .chunks(vocab)
+            .flat_map(|row| row[first..first + width].to_vec())
+            .collect()
+    };
+    let launched = columns(&logits);
+    let stride = width + case.pad;
     let logits_rows = Rows {
-        handle: upload(client, dtype, &pad_rows(&logits, vocab, stride)),
+        handle: upload(client, dtype, &pad_rows(&launched, width, stride)),
         stride,
     };
     let grad = (!case.in_place).then(|| Rows {
@@ -125,9 +139,10 @@ fn check<R: Runtime>(
     };
     let problem = CrossEntropyProblem {
         rows,
-        vocab,
+        vocab: width,
+        slice: case.slice.map(|(offset, _)| VocabSlice { offset, vocab }),
         dtype,
-        stride_multiple: gcd(vocab, stride),
+        stride_multiple: gcd(width, stride),
         ignore_index: case.options.ignore_index as i32,
         label_smoothing: case.options.label_smoothing as f32,
         z_loss: case.options.z_loss as f32,
@@ -161,10 +176,10 @@ fn check<R: Runtime>(
         Some(g) => g.handle.clone(),
         None => logits_rows.handle.clone(),
     };
-    let got = unpad_rows(download(client, dtype, grad_handle), vocab, stride, &what);
+    let got = unpad_rows(download(client, dtype, grad_handle), width, stride, &what);
     if case.mode == CrossEntropyMode::Stats {
         if case.in_place {
-            assert_eq!(got, logits, "{what}: the stats mode changed the logits");
+            assert_eq!(got, launched, "{what}: the stats mode changed the logits");
         } else {
             assert!(
                 got.iter().all(|v| v.is_nan()),
@@ -173,17 +188,19 @@ fn check<R: Runtime>(
         }
         return;
     }
-    let grad_ref: Vec<f64> = expected
-        .iter()
-        .enumerate()
-        .flat_map(|(r, row)| {
-            let s = scale * row_factor(r);
-            row.grad.iter().map(move |g| g * s)
-        })
-        .collect();
+    let grad_ref: Vec<f64> = columns(
+        &expected
+            .iter()
+            .enumerate()
+            .flat_map(|(r, row)| {
+                let s = scale * row_factor(r);
+                row.grad.iter().map(move |g| g * s)
+            })
+            .collect::<Vec<_>>(),
+    );
     for r in (0..rows).filter(|&r| ignored[r]) {
         assert!(
-            got[r * vocab..(r + 1) * vocab].iter().all(|g| *g == 0.0),
+            got[r * width..(r + 1) * width].iter().all(|g| *g == 0.0),
             "{what}: ignored row {r} has a nonzero gradient"
         );
     }
@@ -212,6 +229,7 @@ impl RuntimeTest for EveryCandidate {
             let problem = CrossEntropyProblem {
                 rows: base.rows,
                 vocab: base.vocab,
+                slice: None,
                 dtype,
                 stride_multiple: gcd(base.vocab, base.vocab + base.pad),
                 ignore_index: -100,
@@ -338,6 +356,29 @@ impl RuntimeTest for OptionsAndModes {
                 ..Case::new(6, 300)
             };
             check(&client, device, dtype, ignored, None, &mut rng);
+            // Slices of the vocabulary (first, middle and an odd last one,
+            // in place and out), each row's label in or out of the slice,
+            // against the columns of the whole rows' gradient.
+            let sliced = Case {
+                mode: CrossEntropyMode::Grad,
+                row_scale: RowScale::PerRow,
+                ignore_every: 4,
+                std: 8.0,
+                ..with_options(Case::new(19, 1003), all)
+            };
+            for (slice, in_place, pad) in [
+                ((0, 496), false, 0),
+                ((496, 8), true, 0),
+                ((504, 499), false, 3),
+            ] {
+                let case = Case {
+                    slice: Some(slice),
+                    in_place,
+                    pad,
+                    ..sliced
+                };
+                check(&client, device, dtype, case, None, &mut rng);
+            }
         }
     }
 }
@@ -364,6 +405,7 @@ impl RuntimeTest for Rejects {
         let good = CrossEntropyProblem {
             rows: 2,
             vocab: 4,
+            slice: None,
             dtype: FloatDtype::F32,
             stride_multiple: 4,
             ignore_index: -100,
@@ -390,6 +432,22 @@ impl RuntimeTest for Rejects {
             },
             CrossEntropyProblem {
                 row_scale: RowScale::PerRow,
+                mode: CrossEntropyMode::Grad,
+                ..good
+            },
+            // Statistics need whole rows; a slice must lie in its rows.
+            CrossEntropyProblem {
+                slice: Some(VocabSlice {
+                    offset: 0,
+                    vocab: 8,
+                }),
+                ..good
+            },
+            CrossEntropyProblem {
+                slice: Some(VocabSlice {
+                    offset: 5,
+                    vocab: 8,
+                }),
                 mode: CrossEntropyMode::Grad,
                 ..good
             },

@@ -411,6 +411,7 @@ pub(crate) mod tests {
             host_ms: None,
             error: error.map(String::from),
             devices: 1,
+            memory: None,
         }
     }
 

@@ -245,15 +245,8 @@ impl Report {
         let mut rows: Vec<&crate::train::TrainRow> = self.train.iter().collect();
         rows.sort_by(|a, b| (&a.model, a.batch, a.seq).cmp(&(&b.model, b.batch, b.seq)));
         for r in rows {
-            // A LoRA row (its name ends in ", LoRA rN") compares with the
-            // rows of the same rank: PyTorch's through PEFT.
-            let rank = r.implementation.rsplit_once(", LoRA r").map(|(_, n)| n);
-            let vs = |name: &str| {
-                let name = match rank {
-                    Some(n) if name == "burn" => format!("burn, LoRA r{n}"),
-                    Some(n) => format!("{name} + PEFT, LoRA r{n}"),
-                    None => name.to_string(),
-                };
+            let vs = |peer: &str| {
+                let name = peer_name(&r.implementation, peer);
                 let other = self.row_at(r, &name);
                 match (r.ms_per_step, other.and_then(|o| o.ms_per_step)) {
                     (Some(a), Some(b)) if r.implementation != name => format!("{:.2}×", b / a),
@@ -280,7 +273,47 @@ impl Report {
             );
         }
         s += &self.longest_markdown();
+        s += &self.memory_markdown();
         s += &self.scaling_markdown();
+        s
+    }
+
+    /// Where the memory of each row with a breakdown goes.
+    fn memory_markdown(&self) -> String {
+        let mut rows: Vec<_> = self
+            .train
+            .iter()
+            .filter_map(|r| r.memory.map(|m| (r, m)))
+            .collect();
+        if rows.is_empty() {
+            return String::new();
+        }
+        rows.sort_by(|(a, _), (b, _)| (&a.model, a.batch, a.seq).cmp(&(&b.model, b.batch, b.seq)));
+        let mut s = String::from(
+            "
+Memory breakdown (MiB of CubeCL's bytes in use, one forward and backward pass after the timed steps, each phase read after a device sync; kept by the forward pass: the activations the graph saves, and the fused loss's gradients; pass peak: the most in use during the pass beyond what is in use between steps, sampled; pool beyond use: reserved − the step's peak in use):
+
+| model | batch | seq | implementation | parameters | optimizer state | kept by the forward pass | gradients | pass peak | step peak in use | pool beyond use |
+|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|
+",
+        );
+        for (r, m) in rows {
+            let pool = r.peak_mib.zip(r.in_use_mib).map(|(p, u)| p - u);
+            s += &format!(
+                "| {} | {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {} |\n",
+                r.model,
+                r.batch,
+                r.seq,
+                r.implementation,
+                m.parameters_mib,
+                m.optimizer_state_mib,
+                m.forward_kept_mib,
+                m.gradients_mib,
+                m.pass_peak_mib,
+                fixed(r.in_use_mib, 0),
+                fixed(pool, 0),
+            );
+        }
         s
     }
 
@@ -502,6 +535,25 @@ fn step_ms(r: &crate::train::TrainRow) -> String {
     )
 }
 
+/// The name of `peer`'s row trained as the row `implementation` names:
+/// a LoRA row (", LoRA rN") compares with the peer's rows of the same rank
+/// (PyTorch's through PEFT), a checkpointed row (", checkpointing every
+/// …") with the peer's checkpointed rows.
+fn peer_name(implementation: &str, peer: &str) -> String {
+    let parts = || implementation.split(", ");
+    let mut name = peer.to_string();
+    if let Some(rank) = parts().find_map(|p| p.strip_prefix("LoRA r")) {
+        name = match peer {
+            "burn" => format!("burn, LoRA r{rank}"),
+            _ => format!("{peer} + PEFT, LoRA r{rank}"),
+        };
+    }
+    if let Some(checkpointing) = parts().find(|p| p.starts_with("checkpointing ")) {
+        name = format!("{name}, {checkpointing}");
+    }
+    name
+}
+
 /// Whether two training rows measured the same model, batch, length and
 /// dtype.
 fn same_config(a: &crate::train::TrainRow, b: &crate::train::TrainRow) -> bool {
@@ -546,5 +598,74 @@ mod tests {
         // One length each: nothing to say.
         report.train.retain(|r| r.seq == 1024);
         assert_eq!(report.longest_markdown(), "");
+    }
+
+    #[test]
+    fn rows_with_a_breakdown_get_a_memory_line() {
+        let mut report = Report::new("cuda", "gpu", false, f64::NAN);
+        let mut measured = row("bastile", 2048, Some(10.0), None);
+        measured.in_use_mib = Some(6000.0);
+        measured.peak_mib = Some(9000.0);
+        measured.memory = Some(crate::train::MemoryBreakdown {
+            parameters_mib: 1137.0,
+            optimizer_state_mib: 2275.0,
+            forward_kept_mib: 1500.4,
+            gradients_mib: 1137.6,
+            pass_peak_mib: 2400.0,
+        });
+        report.train = vec![measured, row("burn", 2048, Some(20.0), None)];
+        let table = report.memory_markdown();
+        assert!(
+            table.contains(
+                "| m | 1 | 2048 | bastile | 1137 | 2275 | 1500 | 1138 | 2400 | 6000 | 3000 |"
+            ),
+            "{table}"
+        );
+        assert!(!table.contains("| burn |"), "{table}");
+        report.train.retain(|r| r.implementation == "burn");
+        assert_eq!(report.memory_markdown(), "");
+    }
+
+    #[test]
+    fn rows_compare_with_the_peer_rows_of_their_lora_rank_and_checkpointing() {
+        let liger = crate::pytorch::LIGER;
+        assert_eq!(peer_name("bastile", liger), liger);
+        assert_eq!(
+            peer_name("bastile, LoRA r8", liger),
+            format!("{liger} + PEFT, LoRA r8")
+        );
+        assert_eq!(peer_name("bastile, LoRA r16", "burn"), "burn, LoRA r16");
+        assert_eq!(
+            peer_name("bastile, LoRA r8, checkpointing every layer", liger),
+            format!("{liger} + PEFT, LoRA r8, checkpointing every layer")
+        );
+        assert_eq!(
+            peer_name("bastile, checkpointing every layer", "burn"),
+            "burn, checkpointing every layer"
+        );
+        // In the table: the checkpointed row against the checkpointed peer
+        // (2×), the plain row against the plain peer (4×).
+        let mut report = Report::new("cuda", "gpu", false, f64::NAN);
+        let checkpointed = |name: &str| format!("{name}, checkpointing every layer");
+        report.train = vec![
+            row("bastile", 1024, Some(10.0), None),
+            row(&checkpointed("bastile"), 1024, Some(20.0), None),
+            row(liger, 1024, Some(40.0), None),
+            row(&checkpointed(liger), 1024, Some(40.0), None),
+        ];
+        let table = report.train_markdown();
+        let line = |name: &str| {
+            table
+                .lines()
+                .find(|l| l.contains(&format!("| {name} |")))
+                .unwrap_or_else(|| panic!("no row {name} in {table}"))
+                .to_string()
+        };
+        let liger_cell = |line: String| line.split(" | ").nth(8).map(str::to_string);
+        assert_eq!(liger_cell(line("bastile")).as_deref(), Some("4.00×"));
+        assert_eq!(
+            liger_cell(line(&checkpointed("bastile"))).as_deref(),
+            Some("2.00×")
+        );
     }
 }

@@ -84,6 +84,31 @@ pub struct TrainRow {
     /// each (`tokens_per_s` counts all of them; memory is the first GPU's).
     #[serde(default = "one_device")]
     pub devices: usize,
+    /// Where the memory in use goes (Bastile and Burn, one GPU, without
+    /// checkpointing).
+    #[serde(default)]
+    pub memory: Option<MemoryBreakdown>,
+}
+
+/// Where a step's memory goes, in MiB of CubeCL's bytes in use: measured
+/// on one more forward and backward pass after the timed steps, each
+/// phase read after a device sync.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MemoryBreakdown {
+    /// The model's parameters (their count × the dtype's size).
+    pub parameters_mib: f64,
+    /// In use between steps beyond the parameters: the optimizer's state
+    /// (and the micro-batch's ids and labels).
+    pub optimizer_state_mib: f64,
+    /// Added by the forward pass and kept for the backward pass: the
+    /// activations the graph saves (with the fused loss, also the loss's
+    /// gradients, which it computes in the forward pass).
+    pub forward_kept_mib: f64,
+    /// Held after the backward pass: the gradients.
+    pub gradients_mib: f64,
+    /// The most in use during the forward and backward pass, over what is
+    /// in use between steps (sampled, a lower bound).
+    pub pass_peak_mib: f64,
 }
 
 fn one_device() -> usize {
@@ -222,6 +247,7 @@ fn child(
         first_step_s: None,
         host_ms: None,
         error: Some(error),
+        memory: None,
         devices,
     };
     let runtime = args
@@ -604,33 +630,23 @@ where
     let secs = median(times);
     let client = R::client(device);
     let usage = client.memory_usage().map_err(|e| format!("{e:?}"))?;
-    // One more step, untimed, while another thread samples the bytes in
-    // use (CubeCL keeps no peak of its own). CubeCL keeps a memory pool
-    // per stream, and a thread's stream is its own: the sampler reads this
-    // thread's.
-    let stop = Arc::new(AtomicBool::new(false));
-    let stream = cubecl::stream_id::StreamId::current();
-    let sampler = {
-        let (stop, client) = (stop.clone(), client.clone());
-        std::thread::spawn(move || {
-            let mut peak = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                if let Ok(u) = stream.executes(|| client.memory_usage()) {
-                    peak = peak.max(u.bytes_in_use);
-                }
-                std::thread::sleep(Duration::from_micros(200));
-            }
-            peak
-        })
-    };
     // The largest micro-batch of the run.
     let largest = (0..data.len())
         .max_by_key(|&i| shape(i).iter().product::<usize>())
         .expect("at least one micro-batch");
-    let (_, out) = trainer.step(lm, &data[largest].0);
-    stop.store(true, Ordering::Relaxed);
+    // One more step, untimed, while the bytes in use are sampled.
+    let ((lm, out), in_use) = peak_in_use::<R, _>(&client, || trainer.step(lm, &data[largest].0))?;
     out.map_err(|e| e.to_string())?;
-    let in_use = sampler.join().map_err(|_| "the memory sampler panicked")?;
+    let memory = if workers == 1 && checkpointing == Checkpointing::Off {
+        Some(memory_breakdown::<R, A>(
+            &client,
+            device,
+            (&lm, dtype),
+            &data[largest].0[0],
+        )?)
+    } else {
+        None
+    };
     eprintln!("done in {:.0} s", started.elapsed().as_secs_f64());
     Ok(TrainRow {
         model: model.into(),
@@ -651,6 +667,81 @@ where
         host_ms: Some(median(host) * 1e3),
         error: None,
         devices: workers,
+        memory,
+    })
+}
+
+/// Runs `f` while another thread samples the bytes in use every 0.2 ms
+/// (CubeCL keeps no peak of its own); `f`'s result and the largest
+/// sample. CubeCL keeps a memory pool per stream, and a thread's stream
+/// is its own: the sampler reads the calling thread's.
+fn peak_in_use<R: cubecl::Runtime, T>(
+    client: &cubecl::client::ComputeClient<R>,
+    f: impl FnOnce() -> T,
+) -> Result<(T, u64), String> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let stream = cubecl::stream_id::StreamId::current();
+    let sampler = {
+        let (stop, client) = (stop.clone(), client.clone());
+        std::thread::spawn(move || {
+            let mut peak = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok(u) = stream.executes(|| client.memory_usage()) {
+                    peak = peak.max(u.bytes_in_use);
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            peak
+        })
+    };
+    let out = f();
+    stop.store(true, Ordering::Relaxed);
+    let peak = sampler.join().map_err(|_| "the memory sampler panicked")?;
+    Ok((out, peak))
+}
+
+/// [`MemoryBreakdown`] of one forward and backward pass over `batch`
+/// (the training step's loss, without the optimizer).
+fn memory_breakdown<R, A>(
+    client: &cubecl::client::ComputeClient<R>,
+    device: &A::Device,
+    (lm, dtype): (&CausalLm<A>, DType),
+    batch: &MicroBatch<A>,
+) -> Result<MemoryBreakdown, String>
+where
+    R: cubecl::Runtime<Device = A::Device>,
+    A: AutodiffBackend + BastileBackend,
+{
+    use burn::module::Module;
+    let in_use = || -> Result<f64, String> {
+        A::sync(device).map_err(|e| format!("{e:?}"))?;
+        let usage = client.memory_usage().map_err(|e| format!("{e:?}"))?;
+        Ok(usage.bytes_in_use as f64 / MIB)
+    };
+    let parameters_mib = (lm.num_params() * dtype.size()) as f64 / MIB;
+    let between_steps = in_use()?;
+    let options = bastile::CrossEntropyOptions::default();
+    let pass = || -> Result<(f64, f64), String> {
+        let loss = match &batch.positions {
+            Some(p) => lm.loss_packed(batch.ids.clone(), batch.labels.clone(), p.clone(), options),
+            None => lm.loss(batch.ids.clone(), batch.labels.clone(), options),
+        }
+        .map_err(|e| e.to_string())?
+        .loss;
+        let after_forward = in_use()?;
+        let grads = loss.backward();
+        let after_backward = in_use()?;
+        drop(grads);
+        Ok((after_forward, after_backward))
+    };
+    let (phases, peak) = peak_in_use::<R, _>(client, pass)?;
+    let (after_forward, after_backward) = phases?;
+    Ok(MemoryBreakdown {
+        parameters_mib,
+        optimizer_state_mib: between_steps - parameters_mib,
+        forward_kept_mib: after_forward - between_steps,
+        gradients_mib: after_backward - between_steps,
+        pass_peak_mib: peak as f64 / MIB - between_steps,
     })
 }
 

@@ -51,18 +51,6 @@ pub(crate) fn matmul_blas<R: CubeRuntime>(
     cuda::matmul(lhs, rhs, None, out_dtype)
 }
 
-/// `acc += lhs · rhs` on cuBLASLt (the sum in the product's epilogue) when
-/// the `matmul` patch is on and cuBLASLt takes it; `false` otherwise, with
-/// nothing written. `acc` is an f32 contiguous tensor of the product's
-/// shape that the caller holds alone (it is written in place).
-pub(crate) fn matmul_blas_accumulate<R: CubeRuntime>(
-    lhs: &CubeTensor<R>,
-    rhs: &CubeTensor<R>,
-    acc: &CubeTensor<R>,
-) -> bool {
-    crate::patches::is_enabled(crate::patches::Op::Matmul) && cuda::accumulate(lhs, rhs, acc)
-}
-
 /// `lhs · rhs (+ bias over the last dimension)`.
 fn matmul<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     lhs: CubeTensor<R>,
@@ -102,7 +90,6 @@ mod cuda {
     use bastile_cubecl::cublaslt::{self, GemmBuffers, GemmDtypes};
     use bastile_cubecl::gemm_layout::{GemmPlan, PlanError, plan_matmul};
     use bastile_cubecl::{FloatDtype, KernelError};
-    use burn::tensor::DType;
 
     use crate::fused::kernel_dtype;
 
@@ -171,15 +158,14 @@ mod cuda {
             })
         }
 
-        /// Writes (or with `accumulate`, adds) the product into `out`;
-        /// `false` when cuBLASLt declines it (nothing was written). A
-        /// cuBLASLt error is a [launch failure](crate::launch_failure).
+        /// Writes the product into `out`; `false` when cuBLASLt declines
+        /// it (nothing was written). A cuBLASLt error is a
+        /// [launch failure](crate::launch_failure).
         fn run(
             &self,
             out: &CubeTensor<R>,
             out_dtype: FloatDtype,
             bias: Option<&CubeTensor<R>>,
-            accumulate: bool,
         ) -> bool {
             let dtypes = GemmDtypes {
                 operands: self.dtype,
@@ -190,7 +176,7 @@ mod cuda {
                 rhs: &self.rhs.handle,
                 bias: bias.map(|b| &b.handle),
                 out: &out.handle,
-                accumulate,
+                accumulate: false,
             };
             match cublaslt::gemm(self.client, self.index, dtypes, &self.plan, buffers) {
                 Ok(()) => true,
@@ -223,24 +209,8 @@ mod cuda {
             ops.plan.out_shape.clone().into(),
             out_dtype,
         );
-        ops.run(&out, out_kernel_dtype, bias.as_ref(), false)
+        ops.run(&out, out_kernel_dtype, bias.as_ref())
             .then_some(out)
-    }
-
-    /// `acc += lhs · rhs`; `false` when `acc` is not an f32 contiguous
-    /// tensor of the product's shape or cuBLASLt declines the problem.
-    pub fn accumulate<R: CubeRuntime>(
-        lhs: &CubeTensor<R>,
-        rhs: &CubeTensor<R>,
-        acc: &CubeTensor<R>,
-    ) -> bool {
-        let Some(ops) = Operands::new(lhs, rhs) else {
-            return false;
-        };
-        acc.dtype == DType::F32
-            && acc.shape().as_slice() == ops.plan.out_shape.as_slice()
-            && acc.is_contiguous()
-            && ops.run(acc, FloatDtype::F32, None, true)
     }
 }
 
@@ -264,13 +234,5 @@ mod cuda {
         _out_dtype: burn::tensor::DType,
     ) -> Option<CubeTensor<R>> {
         None
-    }
-
-    pub fn accumulate<R: CubeRuntime>(
-        _lhs: &CubeTensor<R>,
-        _rhs: &CubeTensor<R>,
-        _acc: &CubeTensor<R>,
-    ) -> bool {
-        false
     }
 }

@@ -70,6 +70,7 @@ pub(crate) fn problem(
     CrossEntropyProblem {
         rows,
         vocab,
+        slice: None,
         dtype,
         stride_multiple,
         // Labels are checked against [0, V) before any launch, so an ignore

@@ -2,14 +2,15 @@
 //!
 //! Per chunk of `C` tokens: `logits = h_c · Wᵀ (+ b)` (cuBLASLt on CUDA),
 //! the cross-entropy kernel turns them into their gradient in place, then
-//! `dh_c = dlogits · W` and `dW += dlogitsᵀ · h_c`. Across chunks `dW` (and
-//! `db`) accumulate in f32 whatever the input dtype: each chunk's product is
-//! computed with an f32 output, in vocabulary slices so that the f32
-//! temporary stays at half a chunk of logits. When one chunk covers every
-//! token nothing accumulates across chunks: each slice is cast to the input
-//! dtype as soon as it is computed, and no f32 accumulator exists.
-//! Extra memory: one chunk of logits and one f32 slice product, plus the
-//! f32 `dW` accumulator when there are several chunks.
+//! `dh_c = dlogits · W` (and `db` sums in f32). When one chunk covers every
+//! token, `dW = dlogitsᵀ · h` follows from the same logits. With several
+//! chunks a second pass takes `dW` by slices of the vocabulary: each
+//! slice's logits for every token are computed again, turned into their
+//! gradient from the rows' `lse`, and `dW_s = dlogits_sᵀ · h` is one
+//! product over every token. So `dW` is summed in f32 inside the products
+//! and rounded once, with no f32 `V × H` accumulator, for a third more
+//! matmul work than one pass. Extra memory: one chunk (or slice) of
+//! logits, at most [`LOGITS_BYTES`].
 
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Int, Shape, Tensor, TensorMetadata, TensorPrimitive};
@@ -17,10 +18,10 @@ use burn_cubecl::kernel::matmul::{MatmulStrategy, matmul};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
-use bastile_cubecl::cross_entropy::CrossEntropyMode;
+use bastile_cubecl::cross_entropy::{CrossEntropyMode, VocabSlice};
 
 use super::LinearGrads;
-use crate::backend::matmul::{matmul_blas, matmul_blas_accumulate};
+use crate::backend::matmul::matmul_blas;
 use crate::fused::cube::{as_rows, contiguous_i32, empty_like, stride_multiple};
 use crate::fused::{kernel, kernel_dtype};
 use crate::launch_failure::failed;
@@ -75,22 +76,19 @@ kernel!(
     }
 );
 
-/// Tokens per chunk. Each chunk pays a fixed cost for the f32 `dW`
-/// accumulation (reading and writing it: 8·V·H bytes of traffic in the
-/// product's epilogue on cuBLASLt, 12·V·H elsewhere) against `6·C·H·V`
-/// flops of matmuls: that cost is a share of the matmuls' time that only
-/// depends on the chunk's tokens (about 6% at 4096). The chunk's logits
-/// (`C·V` elements) take memory in proportion to `V/H`, which is large in
-/// small models (Qwen3-0.6B: 148), so a chunk has `H` tokens within
-/// 1024..=4096: its logits then weigh about as much as the weight. Up to
-/// `max(C, 2048)` tokens run as one chunk, which needs no f32 accumulator:
-/// in bf16 with `H ≥ 1024` the 4·V·H bytes it would take weigh as much as
-/// 2048 tokens' logits. The chunk's logits stay within half of the
-/// largest allocation the runtime makes (a quarter of device memory on
-/// CUDA).
+/// Bytes of logits the loop holds at a time: a chunk of tokens' rows in
+/// the first pass, a slice of the vocabulary's columns for every token in
+/// the second (a quarter of Qwen3-0.6B's 1.16 GiB bf16 embedding).
+const LOGITS_BYTES: usize = 1 << 28;
+
+/// Tokens per chunk: as many as keep the chunk's logits within
+/// [`LOGITS_BYTES`] and half of the largest allocation the runtime makes (a
+/// quarter of device memory on CUDA), in multiples of 128 (the products'
+/// tiles) from 256 up. Every token in one chunk when they fit: then no
+/// second pass recomputes the logits for the weight gradient.
 pub(crate) fn chunk_rows(
     tokens: usize,
-    (vocab, hidden): (usize, usize),
+    vocab: usize,
     elem_size: usize,
     max_allocation: u64,
     requested: Option<usize>,
@@ -98,26 +96,18 @@ pub(crate) fn chunk_rows(
     if let Some(c) = requested {
         return c.clamp(1, tokens.max(1));
     }
-    let target = hidden.clamp(1024, 4096);
-    let target = if tokens <= target.max(2048) {
-        tokens
-    } else {
-        target
-    };
-    let by_memory = (max_allocation as usize / 2) / (vocab * elem_size).max(1);
-    target.min(by_memory).min(tokens).max(1)
+    let budget = LOGITS_BYTES.min(max_allocation as usize / 2);
+    let rows = budget / (vocab * elem_size).max(1);
+    let rows = if rows >= 256 { rows / 128 * 128 } else { rows };
+    rows.clamp(1, tokens.max(1))
 }
 
-/// Vocabulary rows per f32 weight-gradient product: the product of a slice
-/// (`rows × H × 4` bytes) stays within half of the chunk's logits
-/// (`chunk × V × elem_size`), so slicing never raises the peak.
-pub(crate) fn weight_slice_rows(
-    chunk: usize,
-    vocab: usize,
-    hidden: usize,
-    elem_size: usize,
-) -> usize {
-    (chunk * vocab * elem_size / (8 * hidden.max(1))).clamp(1, vocab.max(1))
+/// Vocabulary columns per slice of the second pass: slices of every
+/// token's logits as large as one chunk's (`chunk × vocab` elements), in
+/// multiples of 64 columns (the kernels' widest vectors).
+pub(crate) fn slice_columns(tokens: usize, chunk: usize, vocab: usize) -> usize {
+    let columns = (chunk * vocab).div_ceil(tokens.max(1));
+    columns.next_multiple_of(64).clamp(1, vocab.max(1))
 }
 
 fn float<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement, const D: usize>(
@@ -130,20 +120,6 @@ fn prim<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement, const D
     t: Tensor<Cube<R, F, I, BT>, D>,
 ) -> CubeTensor<R> {
     t.into_primitive().tensor()
-}
-
-/// The weight gradient from its slices, in `dtype`: each f32 slice is
-/// freed as soon as it is cast, and a single slice is not copied.
-fn join_slices<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
-    slices: impl Iterator<Item = Tensor<Cube<R, F, I, BT>, 2>>,
-    dtype: DType,
-) -> Tensor<Cube<R, F, I, BT>, 2> {
-    let mut parts: Vec<_> = slices.map(|part| part.cast(dtype)).collect();
-    if parts.len() == 1 {
-        parts.pop().expect("one slice")
-    } else {
-        Tensor::cat(parts, 0)
-    }
 }
 
 /// `a · b` written in `out_dtype` (the operands' or f32): on cuBLASLt when
@@ -190,7 +166,7 @@ fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     let labels: Tensor<Cube<R, F, I, BT>, 1, Int> = Tensor::from_primitive(contiguous_i32(labels));
     let chunk = chunk_rows(
         n,
-        (vocab, hidden_size),
+        vocab,
         dtype.size(),
         client.properties().memory.max_page_size,
         spec.chunk_size,
@@ -209,28 +185,32 @@ fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     };
     let kernel_dtype = kernel_dtype(dtype).expect("validated dtype");
     let wt = w.clone().transpose();
+    // The logits of `h_rows · Wᵀ (+ b)` for vocabulary rows `v0 .. v0 + cols`.
+    let logits_of = |h_rows: Tensor<Cube<R, F, I, BT>, 2>, v0: usize, cols: usize| {
+        let mut logits = if cols == vocab {
+            mm(h_rows, wt.clone(), dtype)
+        } else {
+            mm(h_rows, wt.clone().narrow(1, v0, cols), dtype)
+        };
+        if let Some(b) = &b {
+            logits = logits + b.clone().narrow(0, v0, cols).reshape([1, cols]);
+        }
+        as_rows(prim(logits))
+    };
+    let single_chunk = chunk >= n;
     let mut losses = Vec::new();
     let mut lses = Vec::new();
     let mut dh = Vec::new();
-    // `dW` per vocabulary slice: f32 accumulators across chunks, or the
-    // slices in `dtype` when one chunk covers every token.
-    let single_chunk = chunk >= n;
-    let slice = weight_slice_rows(chunk, vocab, hidden_size, dtype.size());
-    let mut dw: Vec<Option<Tensor<Cube<R, F, I, BT>, 2>>> = Vec::new();
-    // On cuBLASLt, `dW` across chunks is instead one f32 accumulator that
-    // each chunk's product adds into in its epilogue: no product to store
-    // and add afterwards, no slices to join.
-    let mut dw_sum: Option<CubeTensor<R>> = None;
+    // With one chunk, `dW` is that chunk's product; with several, the
+    // second pass below computes it.
+    let mut dw = None;
+    // `db` sums in f32 across chunks (a vocabulary of floats).
     let mut db: Option<Tensor<Cube<R, F, I, BT>, 1>> = None;
     for start in (0..n).step_by(chunk) {
         let end = (start + chunk).min(n);
         let rows = end - start;
         let hc = h.clone().narrow(0, start, rows);
-        let mut logits = mm(hc.clone(), wt.clone(), dtype);
-        if let Some(b) = &b {
-            logits = logits + b.clone().reshape([1, vocab]);
-        }
-        let (logits, logits_rows) = as_rows(prim(logits));
+        let (logits, logits_rows) = logits_of(hc.clone(), 0, vocab);
         let labels_c = labels.clone().narrow(0, start, rows).into_primitive();
         let (chunk_lse, row_scale) = match &row_inputs {
             Some((lse, dloss)) => (
@@ -267,32 +247,8 @@ fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
         // The logits now hold their gradient.
         let dlogits = float::<R, F, I, BT, 2>(logits);
         dh.push(mm(dlogits.clone(), w.clone(), dtype));
-        let weight_product = |v0: usize, rows: usize, out_dtype: DType| {
-            let d = dlogits.clone().narrow(1, v0, rows).transpose();
-            mm(d, hc.clone(), out_dtype)
-        };
-        if !single_chunk && dw.is_empty() {
-            let (d, hc) = (prim(dlogits.clone().transpose()), prim(hc.clone()));
-            dw_sum = match dw_sum.take() {
-                None if start == 0 => matmul_blas(&d, &hc, DType::F32),
-                Some(acc) if matmul_blas_accumulate(&d, &hc, &acc) => Some(acc),
-                // cuBLASLt took the first chunk but not this one's shape.
-                Some(acc) => Some(prim(
-                    float::<R, F, I, BT, 2>(acc) + mm(float(d), float(hc), DType::F32),
-                )),
-                None => None,
-            };
-        }
-        let slices = if dw_sum.is_some() { 0 } else { vocab };
-        for (i, v0) in (0..slices).step_by(slice).enumerate() {
-            let part = weight_product(v0, slice.min(vocab - v0), DType::F32);
-            // Taken out of its slot so the addition runs in place.
-            match dw.get_mut(i) {
-                Some(slot) => *slot = slot.take().map(|acc| acc + part),
-                // With one chunk nothing accumulates: down to `dtype` now.
-                None if single_chunk => dw.push(Some(part.cast(dtype))),
-                None => dw.push(Some(part)),
-            }
+        if single_chunk {
+            dw = Some(mm(dlogits.clone().transpose(), hc, dtype));
         }
         if b.is_some() {
             let db_c = dlogits.sum_dim(0).reshape([vocab]).cast(DType::F32);
@@ -302,41 +258,103 @@ fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
             });
         }
     }
-    let stats = (mode != CrossEntropyMode::Grad)
-        .then(|| (prim(Tensor::cat(losses, 0)), prim(Tensor::cat(lses, 0))));
-    let grads = (mode != CrossEntropyMode::Stats).then(|| LinearGrads {
-        hidden: prim(Tensor::cat(dh, 0)),
-        weight: match dw_sum {
-            Some(acc) => prim(float::<R, F, I, BT, 2>(acc).cast(dtype)),
-            None => prim(join_slices(dw.into_iter().flatten(), dtype)),
-        },
-        bias: db.map(|db| prim(db.cast(dtype))),
+    let stats = (mode != CrossEntropyMode::Grad).then(|| {
+        (
+            prim(Tensor::cat(losses, 0)),
+            prim(Tensor::cat(lses.clone(), 0)),
+        )
     });
-    (stats, grads)
+    if mode == CrossEntropyMode::Stats {
+        return (stats, None);
+    }
+    let dw = dw.unwrap_or_else(|| {
+        // Several chunks: `dW` slice by vocabulary slice, each the product
+        // over every token at once (summed in f32 inside the product,
+        // rounded once), from its columns' logits computed again and
+        // turned into their gradient with the rows' `lse`. Summing the
+        // chunks' products instead would take an f32 `V × H` accumulator
+        // (4·V·H bytes), or round the sum to the weight's dtype at every
+        // chunk.
+        let (lse, row_scale) = match &row_inputs {
+            Some((lse, dloss)) => (prim(lse.clone()), Some(prim(dloss.clone()))),
+            None => (prim(Tensor::cat(lses, 0)), None),
+        };
+        let labels = labels.clone().into_primitive();
+        let unused_losses = empty_like(&lse, [1].into(), DType::F32);
+        let columns = slice_columns(n, chunk, vocab);
+        let mut dw = float::<R, F, I, BT, 2>(empty_like(&lse, [vocab, hidden_size].into(), dtype));
+        for v0 in (0..vocab).step_by(columns) {
+            let cols = columns.min(vocab - v0);
+            let (logits, logits_rows) = logits_of(h.clone(), v0, cols);
+            let mut p = problem(
+                n,
+                cols,
+                kernel_dtype,
+                stride_multiple(cols, &[&logits_rows]),
+                spec,
+            );
+            p.slice = Some(VocabSlice { offset: v0, vocab });
+            Launch {
+                logits: &logits,
+                logits_rows: &logits_rows,
+                labels: &labels,
+                grad: None,
+                losses: &unused_losses,
+                lse: &lse,
+                row_scale: row_scale.as_ref(),
+            }
+            .run(p, CrossEntropyMode::Grad);
+            let dlogits = float::<R, F, I, BT, 2>(logits);
+            let part = mm(dlogits.transpose(), h.clone(), dtype);
+            dw = dw.slice_assign([v0..v0 + cols, 0..hidden_size], part);
+        }
+        dw
+    });
+    let grads = LinearGrads {
+        hidden: prim(Tensor::cat(dh, 0)),
+        weight: prim(dw),
+        bias: db.map(|db| prim(db.cast(dtype))),
+    };
+    (stats, Some(grads))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::chunk_rows;
+    use super::{chunk_rows, slice_columns};
 
     const GIB: u64 = 1 << 30;
 
     #[test]
-    fn chunks_hold_hidden_size_tokens_and_short_inputs_run_whole() {
-        let qwen3_small = (151_936, 1024);
-        let chunk = |tokens, shape| chunk_rows(tokens, shape, 2, 20 * GIB, None);
-        // Up to 2048 tokens: one chunk, no f32 accumulator.
-        assert_eq!(chunk(2048, qwen3_small), 2048);
-        assert_eq!(chunk(4096, qwen3_small), 1024);
-        assert_eq!(chunk(131_072, qwen3_small), 1024);
-        assert_eq!(chunk(4096, (128_256, 2048)), 2048);
-        // Wide models keep chunks of 4096 (and one chunk up to there).
-        assert_eq!(chunk(4096, (151_936, 4096)), 4096);
-        assert_eq!(chunk(8192, (151_936, 4096)), 4096);
-        assert_eq!(chunk(8192, (151_936, 8192)), 4096);
-        // A requested size wins; the largest allocation bounds the logits.
-        assert_eq!(chunk_rows(8192, qwen3_small, 2, 20 * GIB, Some(300)), 300);
-        assert_eq!(chunk_rows(8192, qwen3_small, 2, GIB, None), 1024);
-        assert_eq!(chunk_rows(8192, qwen3_small, 2, GIB / 4, None), 441);
+    fn chunks_hold_a_quarter_gib_of_logits_and_short_inputs_run_whole() {
+        let chunk = |tokens, vocab, elem| chunk_rows(tokens, vocab, elem, 20 * GIB, None);
+        // Qwen3 (151 936) in bf16: 883 rows fit, 768 in multiples of 128.
+        assert_eq!(chunk(4096, 151_936, 2), 768);
+        assert_eq!(chunk(131_072, 151_936, 2), 768);
+        assert_eq!(chunk(4096, 151_936, 4), 384);
+        // Llama 3 (128 256): 1046 fit; GPT-2 (50 257): 2670.
+        assert_eq!(chunk(8192, 128_256, 2), 1024);
+        assert_eq!(chunk(8192, 50_257, 2), 2560);
+        // Fewer tokens than a chunk: one chunk.
+        assert_eq!(chunk(700, 151_936, 2), 700);
+        assert_eq!(chunk(1, 151_936, 2), 1);
+        // A requested size wins; the largest allocation bounds the logits
+        // (half of a quarter GiB: 441 rows).
+        assert_eq!(chunk_rows(8192, 151_936, 2, 20 * GIB, Some(300)), 300);
+        assert_eq!(chunk_rows(100, 151_936, 2, 20 * GIB, Some(300)), 100);
+        assert_eq!(chunk_rows(8192, 151_936, 2, GIB / 4, None), 384);
+        // A vocabulary too wide for 256 rows is not rounded to 128.
+        assert_eq!(chunk_rows(8192, 1 << 20, 2, 20 * GIB, None), 128);
+        assert_eq!(chunk_rows(8192, 1 << 21, 2, 20 * GIB, None), 64);
+    }
+
+    #[test]
+    fn vocabulary_slices_hold_as_many_logits_as_a_chunk() {
+        // 4096 tokens in chunks of 768: slices of 768/4096 of 151 936
+        // columns (28 488), rounded up to 64.
+        assert_eq!(slice_columns(4096, 768, 151_936), 28_544);
+        // Never wider than the vocabulary, never empty.
+        assert_eq!(slice_columns(10, 8, 100), 100);
+        assert_eq!(slice_columns(1_000_000, 1, 50), 50);
+        assert_eq!(slice_columns(0, 1, 50), 50);
     }
 }

@@ -6,8 +6,9 @@
 //! The loss is [`crate::cross_entropy`]'s of `hidden · weightᵀ (+ bias)`.
 //! The fused path works over token chunks: each chunk's logits are computed,
 //! turned into their gradient in place by the cross-entropy kernel, and
-//! multiplied back into `d_hidden` and an f32 `d_weight` accumulator, so
-//! the extra memory is one chunk of logits plus the f32 weight gradient.
+//! multiplied back into `d_hidden`; `d_weight` comes from the same chunk
+//! when one covers every token, else from a second pass over vocabulary
+//! slices (see `kernel.rs`). The extra memory is one chunk of logits.
 //! With `Mean` / `Sum` the gradients are computed during the forward pass
 //! (when anything requires them) and only scaled by the upstream gradient
 //! in the backward pass; with `None` the backward pass recomputes the
