@@ -1,6 +1,8 @@
 //! SwiGLU through Burn: `Bastile<B>` (fused) against `B` (composite) and the
 //! f64 reference, forward and gradients under `Autodiff`, separate and
-//! packed inputs, non-contiguous views, the drop-in modules.
+//! packed inputs, non-contiguous views, inputs the caller holds left intact
+//! (the backward writes its gradients over activations only the graph
+//! holds), the drop-in modules.
 
 use crate::common::*;
 use bastile::nn::{SwiGluConfig, SwiGluMlpConfig};
@@ -39,7 +41,15 @@ fn run<X: BastileBackend>(
         swiglu(g.clone(), u.clone()).unwrap()
     };
     assert_eq!(out.dims(), [b, s, i]);
+    let held = [values(g.clone().inner()), values(u.clone().inner())];
     let grads = (out.clone() * d).sum().backward();
+    // The backward writes its gradients over activations only the graph
+    // held (the packed concatenation), never over tensors the caller holds.
+    assert_eq!(
+        [values(g.clone().inner()), values(u.clone().inner())],
+        held,
+        "the backward changed the inputs (packed={packed} transposed={transposed})"
+    );
     (
         values(out.inner()),
         values(g.grad(&grads).expect("gate grad")),

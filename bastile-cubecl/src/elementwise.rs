@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use cubecl::prelude::*;
 
-use crate::tune::{CandidateCache, Launcher, OpKey, Tuner, run_tuned};
+use crate::tune::{BenchBuffers, CandidateCache, Launcher, OpKey, Tuner, run_tuned_with};
 use crate::{KernelError, launch};
 
 /// One launch configuration of a tiled element-wise kernel.
@@ -131,10 +131,44 @@ where
     P: Clone + Send + Sync + 'static,
     Buffers: Clone + Send + Sync + 'static,
 {
+    let same: BenchBuffers<R, P, Buffers> = |_, _, b| b.clone();
+    run_tiled_with(
+        tuner,
+        key,
+        vector_size,
+        launch,
+        same,
+        client,
+        device,
+        problem,
+        buffers,
+    )
+}
+
+/// [`run_tiled`] whose benchmark runs use the buffers `bench` makes (for
+/// kernels that write over an input).
+#[allow(clippy::too_many_arguments)]
+pub fn run_tiled_with<R: Runtime, K: OpKey, P, Buffers>(
+    tuner: &'static Tuner<K>,
+    key: K,
+    vector_size: usize,
+    launch: Launcher<R, P, Buffers, TileLaunch>,
+    bench: BenchBuffers<R, P, Buffers>,
+    client: &ComputeClient<R>,
+    device: &R::Device,
+    problem: &P,
+    buffers: &Buffers,
+) -> Result<(), KernelError>
+where
+    P: Clone + Send + Sync + 'static,
+    Buffers: Clone + Send + Sync + 'static,
+{
     let id = cubecl::CubeTuneId::new(client, device);
     let tiles: Arc<Vec<TileLaunch>> =
         TILES.get(&id, vector_size, || tile_candidates(client, vector_size));
-    run_tuned(tuner, key, launch, client, &id, problem, buffers, tiles)
+    run_tuned_with(
+        tuner, key, launch, bench, client, &id, problem, buffers, tiles,
+    )
 }
 
 /// The index of the `k`-th item of this unit.

@@ -299,10 +299,12 @@ fn tuned<R: Runtime, Buffers: Clone + Send + Sync + 'static>(
     let packing = Packing {
         input: false,
         grad: false,
+        in_place: false,
     };
     let shape = problem.shape();
+    let same: crate::tune::BenchBuffers<R, GegluProblem, Buffers> = |_, _, b| b.clone();
     glu::run(
-        shape, packing, backward, launch, client, device, problem, buffers,
+        shape, packing, backward, launch, same, client, device, problem, buffers,
     )
 }
 

@@ -6,8 +6,8 @@
 use cubecl::prelude::*;
 use cubecl::tune::{LocalTuner, local_tuner};
 
-use crate::elementwise::{TileLaunch, items_bucket, row_tile, run_tiled, tile_candidates};
-use crate::tune::{Launcher, Tuner};
+use crate::elementwise::{TileLaunch, items_bucket, row_tile, run_tiled_with, tile_candidates};
+use crate::tune::{BenchBuffers, Launcher, Tuner};
 use crate::{FloatDtype, KernelError, launch};
 
 /// Which gated activation a launch computes.
@@ -95,13 +95,15 @@ pub struct GluKey {
     pub packed_in: bool,
     pub packed_grad: bool,
     pub backward: bool,
+    /// Whether the backward writes its gradients over its input.
+    pub in_place: bool,
 }
 
 impl core::fmt::Display for GluKey {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         write!(
             f,
-            "{}{} items~{} row_items={} {} vec={} packed={}/{}",
+            "{}{} items~{} row_items={} {} vec={} packed={}/{}{}",
             self.activation.name(),
             if self.backward { "_bwd" } else { "_fwd" },
             self.items_bucket,
@@ -109,7 +111,8 @@ impl core::fmt::Display for GluKey {
             self.dtype,
             self.vector_size,
             self.packed_in,
-            self.packed_grad
+            self.packed_grad,
+            if self.in_place { " in place" } else { "" }
         )
     }
 }
@@ -128,16 +131,20 @@ pub fn clear_autotune() {
 pub(crate) struct Packing {
     pub input: bool,
     pub grad: bool,
+    /// The gradients written over the input (`grad` then equals `input`).
+    pub in_place: bool,
 }
 
 /// Runs `launch` (the forward, or with `backward` the backward) with the
-/// tile tuned for `shape` and `packing`.
+/// tile tuned for `shape` and `packing`, its benchmark runs on the buffers
+/// `bench` makes (scratch in place of an input the launch writes over).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run<R: Runtime, P, Buffers>(
     shape: GluShape,
     packing: Packing,
     backward: bool,
     launch: Launcher<R, P, Buffers, TileLaunch>,
+    bench: BenchBuffers<R, P, Buffers>,
     client: &ComputeClient<R>,
     device: &R::Device,
     problem: &P,
@@ -159,17 +166,19 @@ where
         packed_in: packing.input,
         packed_grad: packing.grad,
         backward,
+        in_place: packing.in_place,
     };
     let tuner = if backward {
         &BACKWARD_TUNER
     } else {
         &FORWARD_TUNER
     };
-    run_tiled(
+    run_tiled_with(
         tuner,
         key,
         vector_size,
         launch,
+        bench,
         client,
         device,
         problem,

@@ -9,7 +9,8 @@
 //!
 //! Gate and up come either as two matrices or as one matrix whose rows hold
 //! the gate half then the up half (the output of one fused gate+up
-//! projection), so no split copy is made; gradients come back in either form.
+//! projection), so no split copy is made; gradients come back in either form,
+//! or over the input itself.
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
@@ -17,6 +18,7 @@ use cubecl::server::Handle;
 use crate::elementwise::{Tile, TileLaunch, round_through, sigmoid, tile_item};
 use crate::glu::{self, Activation, GluShape, Packing};
 use crate::rows::Rows;
+use crate::tune::BenchBuffers;
 use crate::{FloatDtype, KernelError};
 
 /// `rows` rows of `inter` gate and `inter` up elements.
@@ -122,12 +124,15 @@ impl SwiGluForwardBuffers {
 }
 
 /// Backward buffers: `grad` receives d_gate and d_up, packed or not
-/// independently of the input.
+/// independently of the input. With `grad: None` they are written over the
+/// input, each where its value was read (by the unit that read it), in
+/// the input's layout: the caller saves two `rows × inter` matrices when
+/// the activations are not needed after their backward.
 #[derive(Clone, Debug)]
 pub struct SwiGluBackwardBuffers {
     pub input: GluPair,
     pub dout: Rows,
-    pub grad: GluPair,
+    pub grad: Option<GluPair>,
 }
 
 impl SwiGluBackwardBuffers {
@@ -135,8 +140,43 @@ impl SwiGluBackwardBuffers {
     /// multiple of `v`.
     fn check(&self, p: &SwiGluProblem, v: usize) -> Result<(), KernelError> {
         self.input.check("input", p, v)?;
-        self.grad.check("gradient", p, v)?;
+        if let Some(grad) = &self.grad {
+            grad.check("gradient", p, v)?;
+        }
         self.dout.check("SwiGLU dout", p.rows, p.inter, v, p.dtype)
+    }
+
+    /// Whether the gradients come packed.
+    fn packed_grad(&self) -> bool {
+        self.grad.as_ref().unwrap_or(&self.input).packed()
+    }
+
+    /// What a benchmark run of an in-place launch writes over: scratch
+    /// matrices of the input's layout (its values are not needed to time
+    /// it), so tuning leaves the real input intact.
+    fn for_benchmark<R: Runtime>(
+        client: &ComputeClient<R>,
+        p: &SwiGluProblem,
+        buffers: &Self,
+    ) -> Self {
+        if buffers.grad.is_some() {
+            return buffers.clone();
+        }
+        let scratch = |rows: &Rows| Rows {
+            handle: client.empty(p.rows * rows.stride * p.dtype.size()),
+            stride: rows.stride,
+        };
+        let input = match &buffers.input {
+            GluPair::Separate { gate, up } => GluPair::Separate {
+                gate: scratch(gate),
+                up: scratch(up),
+            },
+            GluPair::Packed(both) => GluPair::Packed(scratch(both)),
+        };
+        Self {
+            input,
+            ..buffers.clone()
+        }
     }
 }
 
@@ -145,6 +185,8 @@ struct GluConfig {
     tile: Tile,
     packed_in: bool,
     packed_grad: bool,
+    /// The backward's gradients written over its input.
+    in_place: bool,
 }
 
 /// Reads the gate and up vectors of one item as f32.
@@ -203,11 +245,37 @@ fn swiglu_forward_kernel<F: Float, N: Size>(
     }
 }
 
+/// Writes d_gate and d_up of one item (`packed`: both into `dgate`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_grads<F: Float, N: Size>(
+    dgate: &mut Tensor<Vector<F, N>>,
+    dup: &mut Tensor<Vector<F, N>>,
+    row: usize,
+    col: usize,
+    dgate_stride: usize,
+    dup_stride: usize,
+    grads: (Vector<f32, N>, Vector<f32, N>),
+    #[comptime] row_items: u32,
+    #[comptime] packed: bool,
+) {
+    let (dg, du) = grads;
+    dgate[row * dgate_stride + col] = Vector::cast_from(dg);
+    if comptime![packed] {
+        dgate[row * dgate_stride + row_items as usize + col] = Vector::cast_from(du);
+    } else {
+        dup[row * dup_stride + col] = Vector::cast_from(du);
+    }
+}
+
+/// With `cfg.in_place` the gradients go over `gate` and `up` (each unit
+/// writes the items it read, through the same binding: no aliased
+/// bindings) and `dgate`, `dup` are unused.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn swiglu_backward_kernel<F: Float, N: Size>(
-    gate: &Tensor<Vector<F, N>>,
-    up: &Tensor<Vector<F, N>>,
+    gate: &mut Tensor<Vector<F, N>>,
+    up: &mut Tensor<Vector<F, N>>,
     dout: &Tensor<Vector<F, N>>,
     dgate: &mut Tensor<Vector<F, N>>,
     dup: &mut Tensor<Vector<F, N>>,
@@ -241,14 +309,31 @@ fn swiglu_backward_kernel<F: Float, N: Size>(
             let s = sigmoid(g);
             let a = round_through::<F, N>(g * s);
             let da = round_through::<F, N>(d * u);
-            let dg = da * s * (one + g * (one - s));
-            let du = d * a;
-            dgate[row * dgate_stride + col] = Vector::cast_from(dg);
-            if comptime![cfg.packed_grad] {
-                dgate[row * dgate_stride + cfg.tile.row_items as usize + col] =
-                    Vector::cast_from(du);
+            let grads = (da * s * (one + g * (one - s)), d * a);
+            if comptime![cfg.in_place] {
+                store_grads::<F, N>(
+                    gate,
+                    up,
+                    row,
+                    col,
+                    gate_stride,
+                    up_stride,
+                    grads,
+                    cfg.tile.row_items,
+                    cfg.packed_in,
+                );
             } else {
-                dup[row * dup_stride + col] = Vector::cast_from(du);
+                store_grads::<F, N>(
+                    dgate,
+                    dup,
+                    row,
+                    col,
+                    dgate_stride,
+                    dup_stride,
+                    grads,
+                    cfg.tile.row_items,
+                    cfg.packed_grad,
+                );
             }
         }
     }
@@ -273,6 +358,7 @@ pub fn forward_with<R: Runtime>(
         tile: config.tile(row_items),
         packed_in: buffers.input.packed(),
         packed_grad: false,
+        in_place: false,
     };
     unsafe {
         swiglu_forward_kernel::launch_unchecked::<R>(
@@ -305,18 +391,30 @@ pub fn backward_with<R: Runtime>(
         return Ok(());
     };
     buffers.check(problem, v)?;
-    let dummy_in = client.empty(16);
-    let dummy_out = client.empty(16);
+    // Distinct placeholders for unused bindings: a buffer bound twice
+    // with write access is an aliasing error on some runtimes.
+    let dummy = || client.empty(16);
+    let (dummy_in, dummy_out) = (dummy(), dummy());
     let input = buffers
         .input
         .args::<R>(problem.rows, problem.inter, v, &dummy_in);
-    let grad = buffers
-        .grad
-        .args::<R>(problem.rows, problem.inter, v, &dummy_out);
+    let grad = match &buffers.grad {
+        Some(grad) => grad.args::<R>(problem.rows, problem.inter, v, &dummy_out),
+        None => {
+            let unused = |h: Handle| Rows::dense(h, v).arg(1, v);
+            PairArgs {
+                gate: unused(dummy_out.clone()),
+                up: unused(dummy()),
+                gate_stride: 0,
+                up_stride: 0,
+            }
+        }
+    };
     let cfg = GluConfig {
         tile: config.tile(row_items),
         packed_in: buffers.input.packed(),
-        packed_grad: buffers.grad.packed(),
+        packed_grad: buffers.packed_grad(),
+        in_place: buffers.grad.is_none(),
     };
     unsafe {
         swiglu_backward_kernel::launch_unchecked::<R>(
@@ -362,13 +460,16 @@ pub fn forward<R: Runtime>(
     let packing = Packing {
         input: buffers.input.packed(),
         grad: false,
+        in_place: false,
     };
     let shape = problem.shape();
+    let same: BenchBuffers<R, SwiGluProblem, SwiGluForwardBuffers> = |_, _, b| b.clone();
     glu::run(
         shape,
         packing,
         false,
         forward_with::<R>,
+        same,
         client,
         device,
         problem,
@@ -387,7 +488,8 @@ pub fn backward<R: Runtime>(
     buffers.check(problem, 1)?;
     let packing = Packing {
         input: buffers.input.packed(),
-        grad: buffers.grad.packed(),
+        grad: buffers.packed_grad(),
+        in_place: buffers.grad.is_none(),
     };
     let shape = problem.shape();
     glu::run(
@@ -395,6 +497,7 @@ pub fn backward<R: Runtime>(
         packing,
         true,
         backward_with::<R>,
+        SwiGluBackwardBuffers::for_benchmark::<R>,
         client,
         device,
         problem,

@@ -1,6 +1,7 @@
 //! SwiGLU kernels against the f64 reference: every tile candidate, the
 //! autotuned entry points, separate and packed (gate | up) inputs and
-//! gradients, padded row pitches, NaN-poisoned outputs and padding.
+//! gradients, gradients written over the input, padded row pitches,
+//! NaN-poisoned outputs and padding.
 
 use bastile_cubecl::elementwise::TileLaunch;
 use bastile_cubecl::launch::gcd;
@@ -17,7 +18,10 @@ use cubecl::prelude::*;
 #[derive(Clone, Copy, Debug)]
 struct Layout {
     packed_in: bool,
+    /// Ignored in place: the gradients take the input's layout.
     packed_grad: bool,
+    /// The gradients written over the input (`grad: None`).
+    in_place: bool,
     /// Extra elements at the end of every row (NaN, never to be touched).
     pad: usize,
 }
@@ -108,13 +112,15 @@ fn check<R: Runtime>(
         seed,
     );
 
-    let grad = if layout.packed_grad {
-        GluPair::Packed(poison(double))
+    let grad = if layout.in_place {
+        None
+    } else if layout.packed_grad {
+        Some(GluPair::Packed(poison(double)))
     } else {
-        GluPair::Separate {
+        Some(GluPair::Separate {
             gate: poison(single),
             up: poison(single),
-        }
+        })
     };
     let bwd = SwiGluBackwardBuffers {
         input,
@@ -125,7 +131,7 @@ fn check<R: Runtime>(
         Some(c) => swiglu::backward_with(client, &problem, &bwd, c).unwrap(),
         None => swiglu::backward(client, device, &problem, &bwd).unwrap(),
     }
-    let (dg, du) = match &bwd.grad {
+    let (dg, du) = match bwd.grad.as_ref().unwrap_or(&bwd.input) {
         GluPair::Packed(both) => unpack(
             &unpad_rows(
                 download(client, dtype, both.handle.clone()),
@@ -166,25 +172,41 @@ fn check<R: Runtime>(
     );
 }
 
-const LAYOUTS: [Layout; 4] = [
+const LAYOUTS: [Layout; 6] = [
     Layout {
         packed_in: false,
         packed_grad: false,
+        in_place: false,
         pad: 0,
     },
     Layout {
         packed_in: true,
         packed_grad: true,
+        in_place: false,
+        pad: 0,
+    },
+    Layout {
+        packed_in: true,
+        packed_grad: true,
+        in_place: true,
         pad: 0,
     },
     Layout {
         packed_in: true,
         packed_grad: false,
+        in_place: false,
         pad: 8,
     },
     Layout {
         packed_in: false,
+        packed_grad: false,
+        in_place: true,
+        pad: 5,
+    },
+    Layout {
+        packed_in: false,
         packed_grad: true,
+        in_place: false,
         pad: 3,
     },
 ];
@@ -207,7 +229,7 @@ impl RuntimeTest for EveryCandidate {
             let candidates = swiglu::candidates(&client, &problem);
             assert!(candidates.len() >= 3, "{runtime}: {candidates:?}");
             for c in &candidates {
-                for layout in [LAYOUTS[0], LAYOUTS[1]] {
+                for layout in [LAYOUTS[0], LAYOUTS[1], LAYOUTS[2]] {
                     check(
                         &client,
                         device,

@@ -67,8 +67,9 @@ pub struct TrainRow {
     /// Reserved device memory (the allocator's pool) after the timed steps.
     pub peak_mib: Option<f64>,
     /// Peak bytes in use during a step: PyTorch's `max_memory_allocated`;
-    /// for Bastile and Burn the largest of CubeCL's bytes in use, sampled
-    /// every 0.2 ms during an extra step after the timed ones.
+    /// for Bastile and Burn the largest of CubeCL's bytes in use, read
+    /// back to back by another thread during an extra step after the
+    /// timed ones.
     #[serde(default)]
     pub in_use_mib: Option<f64>,
     /// Wall time of the first step, compilation and tuning included (with
@@ -671,10 +672,15 @@ where
     })
 }
 
-/// Runs `f` while another thread samples the bytes in use every 0.2 ms
-/// (CubeCL keeps no peak of its own); `f`'s result and the largest
-/// sample. CubeCL keeps a memory pool per stream, and a thread's stream
-/// is its own: the sampler reads the calling thread's.
+/// Runs `f` while another thread reads the bytes in use back to back
+/// (CubeCL keeps no peak of its own); `f`'s result and the largest read.
+/// Each read queues on CubeCL's device thread between `f`'s operations,
+/// and allocations follow the order the host issues them in, so a
+/// buffer that lives across a few operations is seen however fast the
+/// GPU runs (one that lives within a single operation may still be
+/// missed: the result is a lower bound). CubeCL keeps a memory pool per
+/// stream, and a thread's stream is its own: the sampler reads the
+/// calling thread's.
 fn peak_in_use<R: cubecl::Runtime, T>(
     client: &cubecl::client::ComputeClient<R>,
     f: impl FnOnce() -> T,
@@ -689,7 +695,6 @@ fn peak_in_use<R: cubecl::Runtime, T>(
                 if let Ok(u) = stream.executes(|| client.memory_usage()) {
                     peak = peak.max(u.bytes_in_use);
                 }
-                std::thread::sleep(Duration::from_micros(200));
             }
             peak
         })

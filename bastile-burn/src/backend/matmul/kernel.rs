@@ -51,6 +51,22 @@ pub(crate) fn matmul_blas<R: CubeRuntime>(
     cuda::matmul(lhs, rhs, None, out_dtype)
 }
 
+/// Writes `lhs · rhs` (`[m, n]`) into rows `first_row .. first_row + m` of
+/// `out`, a contiguous `[rows, n]` matrix of the operands' dtype that the
+/// caller holds alone, on cuBLASLt under the same conditions as
+/// [`matmul_blas`]; `false` when it did not (nothing was written: the
+/// caller writes those rows its own way). Saves the caller a product the
+/// size of the rows and its copy into `out`.
+pub(crate) fn matmul_blas_into_rows<R: CubeRuntime>(
+    lhs: &CubeTensor<R>,
+    rhs: &CubeTensor<R>,
+    out: &CubeTensor<R>,
+    first_row: usize,
+) -> bool {
+    crate::patches::is_enabled(crate::patches::Op::Matmul)
+        && cuda::matmul_into_rows(lhs, rhs, out, first_row)
+}
+
 /// `lhs · rhs (+ bias over the last dimension)`.
 fn matmul<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     lhs: CubeTensor<R>,
@@ -86,6 +102,7 @@ mod cuda {
     use burn_cubecl::tensor::CubeTensor;
     use cubecl::cuda::{CudaDevice, CudaRuntime};
     use cubecl::prelude::ComputeClient;
+    use cubecl::server::Handle;
 
     use bastile_cubecl::cublaslt::{self, GemmBuffers, GemmDtypes};
     use bastile_cubecl::gemm_layout::{GemmPlan, PlanError, plan_matmul};
@@ -161,12 +178,7 @@ mod cuda {
         /// Writes the product into `out`; `false` when cuBLASLt declines
         /// it (nothing was written). A cuBLASLt error is a
         /// [launch failure](crate::launch_failure).
-        fn run(
-            &self,
-            out: &CubeTensor<R>,
-            out_dtype: FloatDtype,
-            bias: Option<&CubeTensor<R>>,
-        ) -> bool {
+        fn run(&self, out: &Handle, out_dtype: FloatDtype, bias: Option<&CubeTensor<R>>) -> bool {
             let dtypes = GemmDtypes {
                 operands: self.dtype,
                 out: out_dtype,
@@ -175,7 +187,7 @@ mod cuda {
                 lhs: &self.lhs.handle,
                 rhs: &self.rhs.handle,
                 bias: bias.map(|b| &b.handle),
-                out: &out.handle,
+                out,
                 accumulate: false,
             };
             match cublaslt::gemm(self.client, self.index, dtypes, &self.plan, buffers) {
@@ -209,8 +221,38 @@ mod cuda {
             ops.plan.out_shape.clone().into(),
             out_dtype,
         );
-        ops.run(&out, out_kernel_dtype, bias.as_ref())
+        ops.run(&out.handle, out_kernel_dtype, bias.as_ref())
             .then_some(out)
+    }
+
+    /// `false` when this is not the CUDA runtime, `out` is not a
+    /// contiguous matrix of the operands' dtype with the product's columns
+    /// and room for its rows from `first_row`, or cuBLASLt declines.
+    pub fn matmul_into_rows<R: CubeRuntime>(
+        lhs: &CubeTensor<R>,
+        rhs: &CubeTensor<R>,
+        out: &CubeTensor<R>,
+        first_row: usize,
+    ) -> bool {
+        let Some(ops) = Operands::new(lhs, rhs) else {
+            return false;
+        };
+        let out_shape = out.shape();
+        let fits = match (ops.plan.out_shape.as_slice(), out_shape.as_slice()) {
+            (&[m, n], &[rows, columns]) => n == columns && first_row + m <= rows,
+            _ => false,
+        };
+        if !fits || out.dtype != lhs.dtype || !out.is_contiguous() {
+            return false;
+        }
+        let row_bytes = (out_shape[1] * out.dtype.size()) as u64;
+        let rows_after = (out_shape[0] - first_row - ops.plan.out_shape[0]) as u64;
+        let rows = out
+            .handle
+            .clone()
+            .offset_start(first_row as u64 * row_bytes)
+            .offset_end(rows_after * row_bytes);
+        ops.run(&rows, ops.dtype, None)
     }
 }
 
@@ -234,5 +276,14 @@ mod cuda {
         _out_dtype: burn::tensor::DType,
     ) -> Option<CubeTensor<R>> {
         None
+    }
+
+    pub fn matmul_into_rows<R: CubeRuntime>(
+        _lhs: &CubeTensor<R>,
+        _rhs: &CubeTensor<R>,
+        _out: &CubeTensor<R>,
+        _first_row: usize,
+    ) -> bool {
+        false
     }
 }

@@ -7,10 +7,11 @@
 //! chunks a second pass takes `dW` by slices of the vocabulary: each
 //! slice's logits for every token are computed again, turned into their
 //! gradient from the rows' `lse`, and `dW_s = dlogits_sᵀ · h` is one
-//! product over every token. So `dW` is summed in f32 inside the products
-//! and rounded once, with no f32 `V × H` accumulator, for a third more
-//! matmul work than one pass. Extra memory: one chunk (or slice) of
-//! logits, at most [`LOGITS_BYTES`].
+//! product over every token, written into `dW`'s rows. So `dW` is summed
+//! in f32 inside the products and rounded once, with no f32 `V × H`
+//! accumulator, for a third more matmul work than one pass. Extra memory:
+//! one chunk of logits (at most [`LOGITS_BYTES`]) in the first pass, one
+//! slice (at most [`SLICE_LOGITS_BYTES`]) beside `dW` in the second.
 
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Int, Shape, Tensor, TensorMetadata, TensorPrimitive};
@@ -21,7 +22,7 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use bastile_cubecl::cross_entropy::{CrossEntropyMode, VocabSlice};
 
 use super::LinearGrads;
-use crate::backend::matmul::matmul_blas;
+use crate::backend::matmul::{matmul_blas, matmul_blas_into_rows};
 use crate::fused::cube::{as_rows, contiguous_i32, empty_like, stride_multiple};
 use crate::fused::{kernel, kernel_dtype};
 use crate::launch_failure::failed;
@@ -102,12 +103,27 @@ pub(crate) fn chunk_rows(
     rows.clamp(1, tokens.max(1))
 }
 
-/// Vocabulary columns per slice of the second pass: slices of every
-/// token's logits as large as one chunk's (`chunk × vocab` elements), in
-/// multiples of 64 columns (the kernels' widest vectors).
-pub(crate) fn slice_columns(tokens: usize, chunk: usize, vocab: usize) -> usize {
-    let columns = (chunk * vocab).div_ceil(tokens.max(1));
-    columns.next_multiple_of(64).clamp(1, vocab.max(1))
+/// Bytes of logits a vocabulary slice of the second pass holds. Smaller
+/// than a chunk: the second pass runs while `dW` (`V × H`) is allocated,
+/// and its slices' products stay large (every token times the slice).
+const SLICE_LOGITS_BYTES: usize = 1 << 26;
+
+/// Vocabulary columns per slice of the second pass: as many as keep every
+/// token's logits of the slice within [`SLICE_LOGITS_BYTES`], or within a
+/// requested chunk's (`chunk × vocab` elements, so that small requests
+/// take small problems through several slices), in multiples of 64
+/// columns (the kernels' widest vectors), at least 64.
+pub(crate) fn slice_columns(
+    tokens: usize,
+    vocab: usize,
+    elem_size: usize,
+    requested_chunk: Option<usize>,
+) -> usize {
+    let columns = match requested_chunk {
+        Some(chunk) => chunk * vocab / tokens.max(1),
+        None => SLICE_LOGITS_BYTES / (tokens * elem_size).max(1),
+    };
+    (columns / 64 * 64).max(64).min(vocab.max(1))
 }
 
 fn float<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement, const D: usize>(
@@ -258,12 +274,8 @@ fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
             });
         }
     }
-    let stats = (mode != CrossEntropyMode::Grad).then(|| {
-        (
-            prim(Tensor::cat(losses, 0)),
-            prim(Tensor::cat(lses.clone(), 0)),
-        )
-    });
+    let stats = (mode != CrossEntropyMode::Grad)
+        .then(|| (prim(Tensor::cat(losses, 0)), prim(Tensor::cat(lses, 0))));
     if mode == CrossEntropyMode::Stats {
         return (stats, None);
     }
@@ -275,14 +287,16 @@ fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
         // chunks' products instead would take an f32 `V × H` accumulator
         // (4·V·H bytes), or round the sum to the weight's dtype at every
         // chunk.
-        let (lse, row_scale) = match &row_inputs {
-            Some((lse, dloss)) => (prim(lse.clone()), Some(prim(dloss.clone()))),
-            None => (prim(Tensor::cat(lses, 0)), None),
+        let (lse, row_scale) = match (&row_inputs, &stats) {
+            (Some((lse, dloss)), _) => (prim(lse.clone()), Some(prim(dloss.clone()))),
+            (None, Some((_, lse))) => (lse.clone(), None),
+            (None, None) => unreachable!("a pass without upstream gradients computes the stats"),
         };
         let labels = labels.clone().into_primitive();
         let unused_losses = empty_like(&lse, [1].into(), DType::F32);
-        let columns = slice_columns(n, chunk, vocab);
-        let mut dw = float::<R, F, I, BT, 2>(empty_like(&lse, [vocab, hidden_size].into(), dtype));
+        let columns = slice_columns(n, vocab, dtype.size(), spec.chunk_size);
+        let h_prim = prim(h.clone());
+        let mut dw = empty_like(&lse, [vocab, hidden_size].into(), dtype);
         for v0 in (0..vocab).step_by(columns) {
             let cols = columns.min(vocab - v0);
             let (logits, logits_rows) = logits_of(h.clone(), v0, cols);
@@ -304,11 +318,17 @@ fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
                 row_scale: row_scale.as_ref(),
             }
             .run(p, CrossEntropyMode::Grad);
-            let dlogits = float::<R, F, I, BT, 2>(logits);
-            let part = mm(dlogits.transpose(), h.clone(), dtype);
-            dw = dw.slice_assign([v0..v0 + cols, 0..hidden_size], part);
+            let dlogits_t = float::<R, F, I, BT, 2>(logits).transpose();
+            // `dW`'s rows of the slice are contiguous: the product goes
+            // straight there on cuBLASLt, else through a copy.
+            if !matmul_blas_into_rows(&prim(dlogits_t.clone()), &h_prim, &dw, v0) {
+                let part = mm(dlogits_t, h.clone(), dtype);
+                dw = prim(
+                    float::<R, F, I, BT, 2>(dw).slice_assign([v0..v0 + cols, 0..hidden_size], part),
+                );
+            }
         }
-        dw
+        float::<R, F, I, BT, 2>(dw)
     });
     let grads = LinearGrads {
         hidden: prim(Tensor::cat(dh, 0)),
@@ -348,13 +368,21 @@ mod tests {
     }
 
     #[test]
-    fn vocabulary_slices_hold_as_many_logits_as_a_chunk() {
-        // 4096 tokens in chunks of 768: slices of 768/4096 of 151 936
-        // columns (28 488), rounded up to 64.
-        assert_eq!(slice_columns(4096, 768, 151_936), 28_544);
-        // Never wider than the vocabulary, never empty.
-        assert_eq!(slice_columns(10, 8, 100), 100);
-        assert_eq!(slice_columns(1_000_000, 1, 50), 50);
-        assert_eq!(slice_columns(0, 1, 50), 50);
+    fn vocabulary_slices_hold_a_sixteenth_gib_or_a_requested_chunk_of_logits() {
+        let columns = |tokens, vocab, elem| slice_columns(tokens, vocab, elem, None);
+        // 4096 bf16 tokens: 8192 columns of 64 MiB; 16 384 tokens: 2048.
+        assert_eq!(columns(4096, 151_936, 2), 8192);
+        assert_eq!(columns(16_384, 151_936, 2), 2048);
+        // Rounded down to 64 columns: 3000 f32 tokens fit 5592.
+        assert_eq!(columns(3000, 151_936, 4), 5568);
+        // Never wider than the vocabulary, never under 64 columns.
+        assert_eq!(columns(10, 100, 2), 100);
+        assert_eq!(columns(1 << 30, 151_936, 2), 64);
+        assert_eq!(columns(1 << 30, 50, 2), 50);
+        assert_eq!(columns(0, 50, 2), 50);
+        // A requested chunk of 2 tokens out of 5 over 50 257 columns: 2/5
+        // of them (20 102), rounded down to 64.
+        assert_eq!(slice_columns(5, 50_257, 2, Some(2)), 20_096);
+        assert_eq!(slice_columns(37, 300, 4, Some(16)), 128);
     }
 }

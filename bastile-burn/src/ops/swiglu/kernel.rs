@@ -109,39 +109,50 @@ fn backward<R: CubeRuntime>(
     input: GluTensors<CubeTensor<R>>,
     dout: CubeTensor<R>,
 ) -> GluTensors<CubeTensor<R>> {
+    // Contiguous activations nobody else holds (the autodiff graph hands
+    // over its last reference) are dead after this: their gradients go
+    // over them, which saves two `rows × inter` matrices at the backward's
+    // peak. Checked before the row views below take references of their
+    // own.
+    let writable = |t: &CubeTensor<R>| t.can_mut() && t.is_contiguous();
+    let in_place = match &input {
+        GluTensors::Separate { gate, up } => writable(gate) && writable(up),
+        GluTensors::Packed(both) => writable(both),
+    };
     let (input, pair, rows, inter) = lay_out(input);
     let (_dout, dout_rows) = as_rows(dout);
-    let first = input.first();
+    let dtype = input.first().dtype;
     let fresh = |t: &CubeTensor<R>| as_rows(empty_like(t, t.shape(), t.dtype));
-    let (grads, grad_pair) = match &input {
-        GluTensors::Separate { gate, up } => {
-            let (dg, dg_rows) = fresh(gate);
-            let (du, du_rows) = fresh(up);
-            (
-                GluTensors::Separate { gate: dg, up: du },
-                GluPair::Separate {
-                    gate: dg_rows,
-                    up: du_rows,
-                },
-            )
-        }
-        GluTensors::Packed(both) => {
-            let (d, d_rows) = fresh(both);
-            (GluTensors::Packed(d), GluPair::Packed(d_rows))
+    let (grads, grad_pair) = if in_place {
+        (input, None)
+    } else {
+        match &input {
+            GluTensors::Separate { gate, up } => {
+                let (dg, dg_rows) = fresh(gate);
+                let (du, du_rows) = fresh(up);
+                (
+                    GluTensors::Separate { gate: dg, up: du },
+                    Some(GluPair::Separate {
+                        gate: dg_rows,
+                        up: du_rows,
+                    }),
+                )
+            }
+            GluTensors::Packed(both) => {
+                let (d, d_rows) = fresh(both);
+                (GluTensors::Packed(d), Some(GluPair::Packed(d_rows)))
+            }
         }
     };
-    let problem = problem(
-        rows,
-        inter,
-        first.dtype,
-        &[&pair, &grad_pair],
-        &[&dout_rows],
-    );
+    let mut pairs = vec![&pair];
+    pairs.extend(grad_pair.as_ref());
+    let problem = problem(rows, inter, dtype, &pairs, &[&dout_rows]);
     let buffers = SwiGluBackwardBuffers {
         input: pair,
         dout: dout_rows,
         grad: grad_pair,
     };
+    let first = grads.first();
     launch("SwiGLU backward", || {
         swiglu::backward(&first.client, &first.device, &problem, &buffers)
     });
