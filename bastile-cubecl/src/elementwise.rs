@@ -12,7 +12,9 @@ use std::sync::Arc;
 
 use cubecl::prelude::*;
 
-use crate::tune::{BenchBuffers, CandidateCache, Launcher, OpKey, Tuner, run_tuned_with};
+use crate::tune::{
+    BenchBuffers, CandidateCache, Launcher, OpKey, Tuner, run_tuned_with, same_buffers,
+};
 use crate::{KernelError, launch};
 
 /// One launch configuration of a tiled element-wise kernel.
@@ -131,13 +133,12 @@ where
     P: Clone + Send + Sync + 'static,
     Buffers: Clone + Send + Sync + 'static,
 {
-    let same: BenchBuffers<R, P, Buffers> = |_, _, b| b.clone();
     run_tiled_with(
         tuner,
         key,
         vector_size,
         launch,
-        same,
+        same_buffers,
         client,
         device,
         problem,

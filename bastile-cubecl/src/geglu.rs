@@ -302,9 +302,16 @@ fn tuned<R: Runtime, Buffers: Clone + Send + Sync + 'static>(
         in_place: false,
     };
     let shape = problem.shape();
-    let same: crate::tune::BenchBuffers<R, GegluProblem, Buffers> = |_, _, b| b.clone();
     glu::run(
-        shape, packing, backward, launch, same, client, device, problem, buffers,
+        shape,
+        packing,
+        backward,
+        launch,
+        crate::tune::same_buffers,
+        client,
+        device,
+        problem,
+        buffers,
     )
 }
 

@@ -18,7 +18,7 @@ use cubecl::server::Handle;
 use crate::elementwise::{Tile, TileLaunch, round_through, sigmoid, tile_item};
 use crate::glu::{self, Activation, GluShape, Packing};
 use crate::rows::Rows;
-use crate::tune::BenchBuffers;
+use crate::tune::same_buffers;
 use crate::{FloatDtype, KernelError};
 
 /// `rows` rows of `inter` gate and `inter` up elements.
@@ -463,13 +463,12 @@ pub fn forward<R: Runtime>(
         in_place: false,
     };
     let shape = problem.shape();
-    let same: BenchBuffers<R, SwiGluProblem, SwiGluForwardBuffers> = |_, _, b| b.clone();
     glu::run(
         shape,
         packing,
         false,
         forward_with::<R>,
-        same,
+        same_buffers,
         client,
         device,
         problem,

@@ -225,6 +225,15 @@ type Inputs<R, P, Buffers, L, K> = (ComputeClient<R>, P, Buffers, Arc<Vec<L>>, K
 /// tuning leaves the real inputs intact.
 pub type BenchBuffers<R, P, Buffers> = fn(&ComputeClient<R>, &P, &Buffers) -> Buffers;
 
+/// The [`BenchBuffers`] of kernels that write no input: the real buffers.
+pub fn same_buffers<R: Runtime, P, Buffers: Clone>(
+    _client: &ComputeClient<R>,
+    _problem: &P,
+    buffers: &Buffers,
+) -> Buffers {
+    buffers.clone()
+}
+
 /// Runs `launch` with the first of `candidates`, or under
 /// [`TunePolicy::Full`] with the configuration `tuner` picked for `key` on
 /// the device of `id`, tuning it on first use. The tunable set holds one
@@ -252,7 +261,7 @@ where
         tuner,
         key,
         launch,
-        |_, _, b| b.clone(),
+        same_buffers,
         client,
         id,
         problem,

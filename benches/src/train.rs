@@ -727,12 +727,15 @@ where
     let between_steps = in_use()?;
     let options = bastile::CrossEntropyOptions::default();
     let pass = || -> Result<(f64, f64), String> {
-        let loss = match &batch.positions {
-            Some(p) => lm.loss_packed(batch.ids.clone(), batch.labels.clone(), p.clone(), options),
-            None => lm.loss(batch.ids.clone(), batch.labels.clone(), options),
-        }
-        .map_err(|e| e.to_string())?
-        .loss;
+        let loss = lm
+            .loss_of(
+                batch.ids.clone(),
+                batch.labels.clone(),
+                batch.positions.clone(),
+                options,
+            )
+            .map_err(|e| e.to_string())?
+            .loss;
         let after_forward = in_use()?;
         let grads = loss.backward();
         let after_backward = in_use()?;

@@ -363,7 +363,7 @@ impl<B: BastileBackend> CausalLm<B> {
     }
 
     /// [`CausalLm::loss`], or [`CausalLm::loss_packed`] with `positions`.
-    pub(crate) fn loss_of(
+    pub fn loss_of(
         &self,
         ids: Tensor<B, 2, Int>,
         labels: Tensor<B, 2, Int>,
