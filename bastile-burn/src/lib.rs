@@ -34,7 +34,10 @@
 //!   [`swiglu`] / [`swiglu_packed`], [`geglu_oss`] (GPT-OSS experts),
 //!   [`rope`] / [`rope_one`] with [`RopeTables`], [`linear_cross_entropy`]
 //!   (the LM head and its loss without materialized logits) and
-//!   [`cross_entropy`] on given logits, with [`CrossEntropyOptions`].
+//!   [`cross_entropy`] on given logits, with [`CrossEntropyOptions`],
+//!   [`lora_update`], and [`embedding`] (the token lookup, whose gradient
+//!   is added into a tied output layer's in place, see also
+//!   [`add_embedding_grad`]).
 //! * [`apply`], [`reset`], [`patched_ops`] switch ops on and off at run time;
 //!   a disabled op takes the composite path.
 //! * [`nn`] has drop-in replacements for the matching `burn::nn` modules.
@@ -67,6 +70,7 @@ pub use ops::attention::{
 pub use ops::cross_entropy::{
     CrossEntropyOptions, CrossEntropyOutput, LabelCheck, Reduction, cross_entropy, first_flagged,
 };
+pub use ops::embedding::{add_embedding_grad, embedding};
 pub use ops::geglu::geglu_oss;
 pub use ops::linear_cross_entropy::{LinearGrads, linear_cross_entropy};
 pub use ops::lora::lora_update;

@@ -20,11 +20,14 @@ pub enum Op {
     Attention,
     /// A LoRA adapter's update as one autodiff node.
     Lora,
+    /// A token embedding lookup whose backward pass adds into the
+    /// weight's existing gradient.
+    Embedding,
 }
 
 impl Op {
     /// Every switchable op.
-    pub const ALL: [Op; 9] = [
+    pub const ALL: [Op; 10] = [
         Op::RmsNorm,
         Op::SwiGlu,
         Op::Geglu,
@@ -34,6 +37,7 @@ impl Op {
         Op::Matmul,
         Op::Attention,
         Op::Lora,
+        Op::Embedding,
     ];
 
     fn bit(self) -> u32 {
@@ -52,6 +56,7 @@ impl Op {
             Op::Matmul => "matmul",
             Op::Attention => "attention",
             Op::Lora => "lora",
+            Op::Embedding => "embedding",
         }
     }
 }
@@ -81,6 +86,9 @@ pub struct Patches {
     pub attention: bool,
     /// LoRA updates as one autodiff node each.
     pub lora: bool,
+    /// Embedding lookups whose gradient is added into the weight's
+    /// existing one (tied embeddings: one `[vocab, hidden]` buffer).
+    pub embedding: bool,
 }
 
 impl Default for Patches {
@@ -106,6 +114,7 @@ impl Patches {
             matmul: on,
             attention: on,
             lora: on,
+            embedding: on,
         }
     }
 
@@ -120,6 +129,7 @@ impl Patches {
             (self.matmul, Op::Matmul),
             (self.attention, Op::Attention),
             (self.lora, Op::Lora),
+            (self.embedding, Op::Embedding),
         ]
         .into_iter()
         .filter(|(on, _)| *on)

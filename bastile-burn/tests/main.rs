@@ -8,6 +8,7 @@ mod attention;
 mod checkpointing;
 mod cross_entropy;
 mod drop_in;
+mod embedding;
 mod geglu;
 mod lora;
 mod matmul;

@@ -76,6 +76,11 @@ fn switchboard_checks() {
         ..Patches::none()
     });
     assert_eq!(patched_ops(), vec![Op::Lora]);
+    apply(Patches {
+        embedding: true,
+        ..Patches::none()
+    });
+    assert_eq!(patched_ops(), vec![Op::Embedding]);
     apply(Patches::none());
     assert!(patched_ops().is_empty());
     let names: Vec<String> = Op::ALL.iter().map(|op| op.to_string()).collect();
@@ -90,7 +95,8 @@ fn switchboard_checks() {
             "linear_cross_entropy",
             "matmul",
             "attention",
-            "lora"
+            "lora",
+            "embedding"
         ]
     );
     apply(Patches {

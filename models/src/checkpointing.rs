@@ -125,7 +125,7 @@ where
             cos: tables.cos.clone().inner(),
             sin: tables.sin.clone().inner(),
         };
-        let mut x = self.model.embed_tokens.valid().forward(inner_ids);
+        let mut x = bastile::embedding(self.model.embed_tokens.weight.val().inner(), inner_ids)?;
         let mut saved = Vec::with_capacity(self.model.layers.len());
         for (i, layer) in self.model.layers.iter().enumerate() {
             if self.checkpointing.recomputes(i) {
@@ -172,10 +172,14 @@ where
             take_grads(&mut segment, layer, &mut grads);
             dx = input_grad(&leaf, &mut segment);
         }
-        if self.model.embed_tokens.weight.val().is_require_grad() {
-            let x = self.model.embed_tokens.forward(ids);
-            let mut segment = (x * dx).backward();
-            take_grads(&mut segment, &self.model.embed_tokens, &mut grads);
+        // The lookup's gradient goes straight into the tied head's, when
+        // there is one, rather than into zeros added to it afterwards.
+        let weight = &self.model.embed_tokens.weight;
+        if weight.val().is_require_grad() {
+            let earlier = grads.remove::<B::InnerBackend, 2>(weight.id);
+            let start = earlier.unwrap_or_else(|| weight.val().inner().zeros_like());
+            let grad = bastile::add_embedding_grad(start, ids.inner(), dx.inner())?;
+            grads.register(weight.id, grad);
         }
         Ok((out, grads))
     }
@@ -204,8 +208,9 @@ fn input_grad<B: AutodiffBackend>(leaf: &Tensor<B, 3>, grads: &mut B::Gradients)
 }
 
 /// Moves the gradients of `module`'s parameters out of one segment's
-/// `segment` gradients into `into`, adding to what earlier segments gave
-/// (tied embeddings get one from the head and one from the lookup).
+/// `segment` gradients into `into` (each parameter is taken from one
+/// segment: the tied embeddings' lookup adds to the head's gradient with
+/// [`bastile::add_embedding_grad`]).
 fn take_grads<B: AutodiffBackend, M: Module<B>>(
     segment: &mut B::Gradients,
     module: &M,
@@ -222,11 +227,7 @@ struct TakeGrads<'a, B: AutodiffBackend> {
 impl<B: AutodiffBackend> ModuleVisitor<B> for TakeGrads<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(grad) = param.val().grad_remove(self.segment) {
-            let sum = match self.into.remove::<B::InnerBackend, D>(param.id) {
-                Some(earlier) => earlier + grad,
-                None => grad,
-            };
-            self.into.register(param.id, sum);
+            self.into.register(param.id, grad);
         }
     }
 }

@@ -298,7 +298,7 @@ impl<B: BastileBackend> CausalLm<B> {
         positions: Option<Tensor<B, 2, Int>>,
     ) -> Result<Tensor<B, 3>, ModelError> {
         let tables = self.rope_tables(&ids, positions.as_ref());
-        let mut x = self.model.embed_tokens.forward(ids);
+        let mut x = bastile::embedding(self.model.embed_tokens.weight.val(), ids)?;
         for layer in &self.model.layers {
             x = layer.forward(x, &tables, positions.as_ref())?;
         }

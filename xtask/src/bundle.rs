@@ -18,6 +18,7 @@ const GPU_TESTS: &[&str] = &[
     "geglu",
     "rope",
     "cross_entropy",
+    "embedding",
     "matmul",
     "adamw",
     "checkpointing",

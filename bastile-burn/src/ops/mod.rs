@@ -5,6 +5,7 @@
 pub mod adamw;
 pub mod attention;
 pub mod cross_entropy;
+pub mod embedding;
 pub mod geglu;
 pub mod linear_cross_entropy;
 pub mod lora;
