@@ -13,6 +13,7 @@ pub mod cross_entropy;
 pub mod cublaslt;
 pub mod dtype;
 pub mod elementwise;
+pub mod embedding;
 pub mod error;
 pub mod geglu;
 pub mod gemm_layout;

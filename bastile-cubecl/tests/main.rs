@@ -6,6 +6,7 @@ mod adamw;
 mod attention;
 mod buffers;
 mod cross_entropy;
+mod embedding;
 mod geglu;
 mod rms_norm;
 mod rope;

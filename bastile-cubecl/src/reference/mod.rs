@@ -7,6 +7,7 @@
 pub mod adamw;
 pub mod attention;
 pub mod cross_entropy;
+pub mod embedding;
 pub mod geglu;
 pub mod lora;
 pub mod rms_norm;

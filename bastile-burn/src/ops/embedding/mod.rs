@@ -1,5 +1,6 @@
 //! Token embedding lookup: the checked entry points, the reference math and
-//! the op's declaration; its autodiff node in `autodiff.rs`.
+//! the ops' declarations; the lookup's autodiff node in `autodiff.rs`, the
+//! gradient's kernel launch in `kernel.rs`.
 //!
 //! The forward pass is Burn's gather of the weight's rows. The backward
 //! pass is where the op differs: Burn's node adds the rows' gradients into
@@ -8,15 +9,18 @@
 //! output layer's gradient, registered earlier in the backward pass) holds
 //! three `[vocab, hidden]` tensors at once. Bastile's node adds the rows
 //! straight into the gradient already there, in place when nothing else
-//! holds it: one `[vocab, hidden]` tensor.
+//! holds it: one `[vocab, hidden]` tensor. The addition is a kernel of
+//! its own ([`bastile_cubecl::embedding`]): Burn's `select_add` walks the
+//! tokens one after another.
 
 mod autodiff;
+mod kernel;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Int, Shape, Tensor, TensorMetadata};
 
-use crate::fused::{DTypeQuery, In, KernelBackend, Out, fused_op};
+use crate::fused::{DTypeQuery, In, KernelBackend, Out, TensorSpec, fused_op};
 use crate::ops::{cast_to, check_float, check_same_device, float};
 use crate::patches::Op;
 use crate::{BastileBackend, BastileError};
@@ -65,7 +69,7 @@ pub fn embedding<B: BastileBackend>(
 /// - `ids`: `[batch, seq]`
 /// - `dout`: `[batch, seq, hidden]`
 /// - output: `[vocab, hidden]`
-pub fn add_embedding_grad<B: Backend>(
+pub fn add_embedding_grad<B: BastileBackend>(
     grad: Tensor<B, 2>,
     ids: Tensor<B, 2, Int>,
     dout: Tensor<B, 3>,
@@ -102,9 +106,9 @@ pub fn add_embedding_grad<B: Backend>(
     Ok(float(out))
 }
 
-/// `grad[ids[t]] += dout[t]` for every token `t`, in `grad`'s dtype
-/// (Burn's `select_add`, which writes into `grad` when it can).
-fn add_rows<B: Backend>(
+/// `grad[ids[t]] += dout[t]` for every token `t`, in `grad`'s dtype, in
+/// place when nothing else holds `grad`.
+fn add_rows<B: BastileBackend>(
     grad: FloatTensor<B>,
     ids: IntTensor<B>,
     dout: FloatTensor<B>,
@@ -114,7 +118,7 @@ fn add_rows<B: Backend>(
     let ids = B::int_reshape(ids, Shape::new([tokens]));
     let dout = cast_to::<B>(dout, grad.dtype());
     let dout = B::float_reshape(dout, Shape::new([tokens, hidden]));
-    B::float_select_add(grad, 0, ids, dout)
+    B::run(&EmbeddingGrad, (grad, dout, ids))
 }
 
 /// The lookup, with plain Burn ops.
@@ -138,5 +142,28 @@ fused_op! {
 
     fn kernels<K: KernelBackend>(&self, _: (), input: In<Self, K>) -> Out<Self, K> {
         lookup::<K>(input)
+    }
+}
+
+/// `(grad, dout, ids)` to `grad` with row `ids[t]` gaining `dout[t]` for
+/// every token (`grad` `[vocab, hidden]`, `dout` `[tokens, hidden]` in
+/// `grad`'s dtype, `ids` `[tokens]`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct EmbeddingGrad;
+
+fused_op! {
+    EmbeddingGrad: Some(Op::Embedding), (F, F, I) => F,
+    |_, (grad, _, _)| -> DTypeQuery {
+        (B::float_device(grad), DTypeQuery { dtype: grad.dtype() })
+    }
+
+    fn composite<B: Backend>(&self, (grad, dout, ids): In<Self, B>) -> Out<Self, B> {
+        B::float_select_add(grad, 0, ids, dout)
+    }
+
+    fn kernels<K: KernelBackend>(&self, _: (), (grad, dout, ids): In<Self, K>) -> Out<Self, K> {
+        let spec = TensorSpec::of(&grad);
+        let mut out = K::launch(self, vec![grad, dout], vec![ids], vec![spec]);
+        out.pop().expect("the gradient")
     }
 }
