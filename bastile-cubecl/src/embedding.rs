@@ -3,12 +3,12 @@
 //!
 //! Tokens that share an id add into the same row, so the adds of one row
 //! must not race. A unit per column walking every token in order (Burn's
-//! `select_add`) is deterministic but has only `hidden` units, each a chain
-//! of `tokens` dependent read-modify-writes: 0.85 ms for Qwen3-0.6B's 2048
-//! tokens on an H100, growing with the tokens whatever the width. Here the vocabulary rows are
-//! split into `partitions` classes (`row % partitions`): a unit owns one
-//! vector of columns of one class, walks every token in order and adds
-//! those whose row it owns. Each row still receives its tokens in token
+//! `select_add`) is deterministic but has only `hidden` units, each a
+//! chain of `tokens` dependent read-modify-writes: 0.85 ms for
+//! Qwen3-0.6B's 2048 tokens on an H100, growing with the tokens whatever
+//! the width. Here the vocabulary rows are split into `partitions` classes
+//! (`row % partitions`): a unit owns one vector of columns of one class,
+//! walks every token in order and adds those whose row it owns. Each row still receives its tokens in token
 //! order (the same sums, rounded the same way, as the serial loop), with
 //! `partitions` times the units and a chain `partitions` times shorter;
 //! a token a unit does not own costs it one cached id read.
