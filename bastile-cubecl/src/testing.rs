@@ -301,6 +301,16 @@ pub fn upload<R: cubecl::Runtime>(
     client.create_from_slice(&to_bytes(dtype, values))
 }
 
+/// Uploads i32 values (labels, ids, lengths), what the kernels read as
+/// integers.
+pub fn upload_i32<R: cubecl::Runtime>(
+    client: &cubecl::prelude::ComputeClient<R>,
+    values: &[i32],
+) -> cubecl::server::Handle {
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    client.create_from_slice(&bytes)
+}
+
 /// A buffer of `len` elements of `dtype`, every one NaN, so an element the
 /// kernel fails to write fails the comparison.
 pub fn poisoned<R: cubecl::Runtime>(

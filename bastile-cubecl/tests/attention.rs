@@ -188,13 +188,10 @@ fn check<R: Runtime>(
     let rows = problem.query_rows();
     let sinks_h = c.sinks.then(|| upload(client, FloatDtype::F32, &sinks));
     let lengths_h = c.key_lengths.as_ref().map(|l| {
-        let bytes: Vec<u8> = l.iter().flat_map(|&n| (n as i32).to_le_bytes()).collect();
-        client.create_from_slice(&bytes)
+        let lengths: Vec<i32> = l.iter().map(|&n| n as i32).collect();
+        upload_i32(client, &lengths)
     });
-    let starts_h = c.document_starts().map(|s| {
-        let bytes: Vec<u8> = s.iter().flat_map(|n| n.to_le_bytes()).collect();
-        client.create_from_slice(&bytes)
-    });
+    let starts_h = c.document_starts().map(|s| upload_i32(client, &s));
     let fwd = AttentionForwardBuffers {
         q: place(client, dtype, &q, q_dims, c.seq_major),
         k: place(client, dtype, &k, k_dims, c.seq_major),

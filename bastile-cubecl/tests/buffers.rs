@@ -188,10 +188,8 @@ impl RuntimeTest for Buffers {
         );
 
         // Cross-entropy: labels one short.
-        let labels = |n: usize| -> Handle {
-            let bytes: Vec<u8> = (0..n as i32).flat_map(|i| i.to_le_bytes()).collect();
-            client.create_from_slice(&bytes)
-        };
+        let labels =
+            |n: usize| -> Handle { upload_i32(&client, &(0..n as i32).collect::<Vec<_>>()) };
         let problem = CrossEntropyProblem {
             rows: n,
             vocab: hidden,

@@ -57,11 +57,8 @@ fn upload_f32<R: Runtime>(client: &ComputeClient<R>, values: &[f64]) -> cubecl::
 }
 
 fn upload_labels<R: Runtime>(client: &ComputeClient<R>, labels: &[i64]) -> cubecl::server::Handle {
-    let bytes: Vec<u8> = labels
-        .iter()
-        .flat_map(|&l| (l as i32).to_le_bytes())
-        .collect();
-    client.create_from_slice(&bytes)
+    let labels: Vec<i32> = labels.iter().map(|&l| l as i32).collect();
+    upload_i32(client, &labels)
 }
 
 fn check<R: Runtime>(

@@ -11,11 +11,6 @@ use bastile_cubecl::testing::*;
 use bastile_cubecl::{FloatDtype, KernelError};
 use cubecl::prelude::*;
 
-fn upload_ids<R: Runtime>(client: &ComputeClient<R>, ids: &[i32]) -> cubecl::server::Handle {
-    let bytes: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
-    client.create_from_slice(&bytes)
-}
-
 /// `[tokens, vocab, hidden, grad row padding, dout row padding]`.
 type Case = [usize; 5];
 
@@ -50,7 +45,7 @@ fn check<R: Runtime>(client: &ComputeClient<R>, case: Case, dtype: FloatDtype, r
     };
     let buffers = EmbeddingGradBuffers {
         grad: matrix(&grad, grad_stride),
-        ids: upload_ids(client, &ids),
+        ids: upload_i32(client, &ids),
         dout: matrix(&dout, dout_stride),
     };
     embedding::add_rows(client, &problem, &buffers).unwrap();
@@ -73,7 +68,7 @@ fn check<R: Runtime>(client: &ComputeClient<R>, case: Case, dtype: FloatDtype, r
         return;
     }
     let short_ids = EmbeddingGradBuffers {
-        ids: upload_ids(client, &ids[..tokens - 1]),
+        ids: upload_i32(client, &ids[..tokens - 1]),
         ..buffers.clone()
     };
     assert!(matches!(
