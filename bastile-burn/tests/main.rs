@@ -16,4 +16,5 @@ mod model_step;
 mod patches;
 mod rms_norm;
 mod rope;
+mod streams;
 mod swiglu;

@@ -4,9 +4,10 @@
 
 use burn::tensor::Device;
 use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn_backend::StreamId;
 use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
-use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
+use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr, TensorStatus};
 
 use super::{DeviceQuery, Kernel, KernelBackend, TensorSpec};
 
@@ -75,17 +76,33 @@ impl<B: FusionBackend + KernelBackend> KernelBackend for Fusion<B> {
             .map(|o| TensorIr::uninit(client.create_empty_handle(), o.shape.clone(), o.dtype))
             .collect();
         let n_floats = floats.len();
-        let inputs: Vec<TensorIr> = floats
+        let current = StreamId::current();
+        let (inputs, from_other_streams): (Vec<TensorIr>, Vec<bool>) = floats
             .into_iter()
             .chain(ints)
-            .map(|t| t.into_ir())
-            .collect();
+            .map(|t| {
+                let elsewhere = t.stream != current;
+                (t.into_ir(), elsewhere)
+            })
+            .unzip();
         let desc = CustomOpIr::new(K::NAME, &inputs, &output_irs);
+        // The stream marks an input created on another stream read-only in
+        // the operation it queues (other streams may have queued reads of
+        // it; the stream drops it once they ran), but executes the recorded
+        // op, which reads its inputs with the statuses it was given: they
+        // must be the same, or the op takes a handle other streams still
+        // need.
+        let mut recorded = desc.clone();
+        for (input, elsewhere) in recorded.inputs.iter_mut().zip(from_other_streams) {
+            if elsewhere {
+                input.status = TensorStatus::ReadOnly;
+            }
+        }
         client.register(
             streams,
-            OperationIr::Custom(desc.clone()),
+            OperationIr::Custom(desc),
             Recorded::<B, K> {
-                desc,
+                desc: recorded,
                 floats: n_floats,
                 kernel: kernel.clone(),
                 outputs,
