@@ -24,5 +24,6 @@ pub use config::{Architecture, HfConfig, ModelConfig, MoeConfig};
 pub use error::ModelError;
 pub use lora::{LoraConfig, LoraTarget};
 pub use model::{CausalLm, packed_labels};
+pub use moe::ExpertRouting;
 pub use parallel::{Collective, DataParallelOptions};
 pub use train::{MicroBatch, OptimizerKind, StepOutput, TrainConfig, Trainer};

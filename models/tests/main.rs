@@ -5,6 +5,7 @@ mod checkpointing;
 mod hf_parity;
 mod loading;
 mod lora;
+mod moe;
 mod packing;
 mod parallel;
 mod training;
