@@ -155,6 +155,11 @@ pub struct Args {
     /// on the PyTorch side).
     #[arg(long, value_name = "R")]
     pub lora: Option<usize>,
+    /// Training: GPT-OSS's experts run routed, each on the tokens the router
+    /// sent it, instead of every expert on every token (Bastile's models;
+    /// the PyTorch rows are HF's own).
+    #[arg(long)]
+    pub routed_experts: bool,
     /// Training: activation checkpointing, every layer (or every N-th):
     /// each keeps only its input and runs again in the backward pass (HF's
     /// gradient checkpointing on the PyTorch side).

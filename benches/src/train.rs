@@ -19,7 +19,7 @@ use bastile::launch_failure::{allocation_failure, out_of_memory_message};
 use bastile::{Bastile, BastileBackend, Patches};
 use bastile_cli::warmup::random_batch;
 use bastile_models::{
-    CausalLm, Checkpointing, LoraConfig, MicroBatch, TrainConfig, Trainer, presets,
+    CausalLm, Checkpointing, ExpertRouting, LoraConfig, MicroBatch, TrainConfig, Trainer, presets,
 };
 use burn::backend::Autodiff;
 use burn::tensor::DType;
@@ -191,6 +191,9 @@ pub fn sweep(args: &Args, models: &[String], report: &mut Report) {
                     if let Some(every) = args.checkpointing {
                         name = format!("{name}, checkpointing {}", Checkpointing::Every(every));
                     }
+                    if args.routed_experts {
+                        name = format!("{name}, routed experts");
+                    }
                     if devices > 1 {
                         name = format!("{name}, {devices} GPUs");
                     }
@@ -278,6 +281,7 @@ fn child(
         .args(["--devices", &devices.to_string()])
         .args(&lora)
         .args(&checkpointing)
+        .args(args.routed_experts.then_some("--routed-experts"))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn();
@@ -478,6 +482,11 @@ impl<'a> Run<'a> {
             checkpointing: args
                 .checkpointing
                 .map_or(Checkpointing::Off, Checkpointing::Every),
+            expert_routing: if args.routed_experts {
+                ExpertRouting::Routed
+            } else {
+                ExpertRouting::Dense
+            },
         }
     }
 
@@ -503,6 +512,7 @@ struct Run<'a> {
     /// LoRA rank: adapters on every projection of the frozen model.
     lora: Option<usize>,
     checkpointing: Checkpointing,
+    expert_routing: ExpertRouting,
 }
 
 /// Data-parallel training: every worker's device (the first is the
@@ -535,6 +545,7 @@ where
         layout,
         lora,
         checkpointing,
+        expert_routing,
     } = run;
     let config = presets::preset(model).map_err(|e| e.to_string())?;
     let started = Instant::now();
@@ -545,6 +556,10 @@ where
             None => Ok(m),
         })
         .and_then(|m| m.with_checkpointing(checkpointing))
+        .and_then(|m| match expert_routing {
+            ExpertRouting::Dense => Ok(m),
+            routed => m.with_expert_routing(routed),
+        })
         .map_err(|e| e.to_string())?;
     let vocab = lm.config.vocab_size;
     let timed_steps = steps.max(1);
