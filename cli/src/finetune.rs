@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use bastile::BastileBackend;
 use bastile::launch_failure::out_of_memory;
 use bastile_models::{
-    CausalLm, Checkpointing, Collective, DataParallelOptions, LoraConfig, MicroBatch, ModelError,
-    OptimizerKind, TrainConfig, Trainer,
+    CausalLm, Checkpointing, Collective, DataParallelOptions, ExpertRouting, LoraConfig,
+    MicroBatch, ModelError, OptimizerKind, TrainConfig, Trainer,
 };
 use burn::module::Module;
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -94,6 +94,9 @@ pub struct FinetuneOptions {
     pub devices: usize,
     /// Which layers recompute their activations in the backward pass.
     pub checkpointing: Checkpointing,
+    /// How a mixture of experts runs them (routed: an error for a model
+    /// without experts).
+    pub expert_routing: ExpertRouting,
 }
 
 /// What a finetuning run did.
@@ -277,6 +280,9 @@ impl Finetune {
             (None, _) => model,
         };
         let mut model = model.with_checkpointing(o.checkpointing)?;
+        if o.expert_routing != ExpertRouting::Dense {
+            model = model.with_expert_routing(o.expert_routing)?;
+        }
         let per_step = o.batch_size * o.grad_accum * o.devices;
         let multiple = o.pad_to_multiple.unwrap_or(info.pad_multiple());
         // Packed rows hold the longest example (rounded up to the padding
@@ -379,6 +385,9 @@ impl Finetune {
         });
         if model.checkpointing != Checkpointing::Off {
             trained += &format!(", activation checkpointing of {}", model.checkpointing);
+        }
+        if o.expert_routing == ExpertRouting::Routed {
+            trained += ", routed experts";
         }
         let rows = if o.packing {
             format!("rows of {row_len} tokens, each packing whole examples")

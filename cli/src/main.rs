@@ -13,7 +13,7 @@ use bastile_cli::generate::{self, GenerateOptions};
 use bastile_cli::warmup::{self, WarmupOptions};
 use bastile_cli::{CliError, DTypeArg};
 use bastile_models::lora::parse_targets;
-use bastile_models::{Checkpointing, LoraConfig, OptimizerKind};
+use bastile_models::{Checkpointing, ExpertRouting, LoraConfig, OptimizerKind};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Parser)]
@@ -100,6 +100,11 @@ enum Command {
         /// (0, N, 2N, ...).
         #[arg(long, value_name = "N", num_args = 0..=1, default_missing_value = "1")]
         checkpointing: Option<usize>,
+        /// GPT-OSS: run each expert on the tokens the router sent it
+        /// (`top_k / experts` of the expert work, one read of the routing
+        /// per layer) instead of every expert on every token.
+        #[arg(long)]
+        routed_experts: bool,
         /// Passes over the data (default: 60 for the tiny preset, which
         /// starts from random weights, else 3).
         #[arg(long)]
@@ -328,6 +333,7 @@ fn run(cli: Cli, cache: &KernelCache) -> Result<(), CliError> {
             grad_accum,
             devices,
             checkpointing,
+            routed_experts,
             epochs,
             steps,
             lr,
@@ -381,6 +387,11 @@ fn run(cli: Cli, cache: &KernelCache) -> Result<(), CliError> {
                 merge_lora: lora.merge_lora,
                 devices,
                 checkpointing: checkpointing_arg(checkpointing)?,
+                expert_routing: if routed_experts {
+                    ExpertRouting::Routed
+                } else {
+                    ExpertRouting::Dense
+                },
             };
             finetune::run(common.device, !common.no_bastile, options)?;
         }

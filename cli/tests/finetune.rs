@@ -15,7 +15,7 @@ use bastile_cli::warmup::{self, WarmupOptions};
 use bastile_cli::{CliError, DTypeArg};
 use bastile_cubecl::FloatDtype;
 use bastile_cubecl::testing::{from_bytes, rel_l2, runtime_selected};
-use bastile_models::{Checkpointing, LoraConfig, OptimizerKind};
+use bastile_models::{Checkpointing, ExpertRouting, LoraConfig, OptimizerKind};
 use safetensors::SafeTensors;
 
 fn temp_dir(name: &str) -> PathBuf {
@@ -59,6 +59,7 @@ fn options(output: PathBuf, steps: usize) -> FinetuneOptions {
         merge_lora: false,
         devices: 1,
         checkpointing: Checkpointing::Off,
+        expert_routing: ExpertRouting::Dense,
     }
 }
 
@@ -558,6 +559,10 @@ fn bad_options_fail_before_training() {
         e.contains("activation checkpointing (every layer) cannot be combined with LoRA dropout"),
         "{e}"
     );
+    let mut o = options(temp_dir("bad"), 1);
+    o.expert_routing = ExpertRouting::Routed;
+    let e = finetune(DeviceKind::Cpu, false, o).unwrap_err().to_string();
+    assert!(e.contains("needs a mixture-of-experts model"), "{e}");
     let mut o = options(temp_dir("bad"), 1);
     o.dtype = DTypeArg::Bf16;
     let e = finetune(DeviceKind::Cpu, false, o).unwrap_err().to_string();
