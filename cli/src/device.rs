@@ -2,7 +2,9 @@
 //! wgpu/Vulkan) with the fused kernels, the same backend without Bastile
 //! for the baseline, or Burn's CPU backend where no GPU is present.
 
-use bastile::{Bastile, BastileBackend};
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+use bastile::Bastile;
+use bastile::BastileBackend;
 use bastile_models::{CausalLm, Collective, MicroBatch};
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::backend::AutodiffBackend;
