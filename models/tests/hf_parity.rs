@@ -17,8 +17,8 @@
 //! `div` and `log`, put its gradients up to 3e-4 from HF's.)
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 
+use crate::common::{fixture, values};
 use bastile::{BastileBackend, CrossEntropyOptions};
 use bastile_cubecl::testing::runtime_selected;
 use bastile_models::{CausalLm, MicroBatch, Trainer};
@@ -55,12 +55,6 @@ fn assert_matches(what: &str, actual: &[f64], expected: &[f64]) {
     }
 }
 
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures")
-        .join(name)
-}
-
 /// The reference tensors: name → (shape, values as f64).
 fn reference(name: &str) -> HashMap<String, (Vec<usize>, Vec<f64>)> {
     let bytes = std::fs::read(fixture(name).join("reference.safetensors")).expect("fixture");
@@ -86,16 +80,6 @@ fn reference(name: &str) -> HashMap<String, (Vec<usize>, Vec<f64>)> {
             };
             (k, (v.shape().to_vec(), vals))
         })
-        .collect()
-}
-
-fn values<B: burn::tensor::backend::Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f64> {
-    t.into_data()
-        .convert::<f32>()
-        .to_vec::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(f64::from)
         .collect()
 }
 

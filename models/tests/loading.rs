@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::common::fixture;
 use bastile_models::{CausalLm, HfConfig, ModelError, presets};
 use burn::backend::NdArray;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -10,12 +11,6 @@ use burn_store::ModuleSnapshot;
 use safetensors::SafeTensors;
 
 type B = NdArray;
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures")
-        .join(name)
-}
 
 /// A fresh scratch directory under the target dir.
 fn scratch(name: &str) -> PathBuf {

@@ -8,6 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::common::{fixture, tensor, values};
 use bastile::BastileBackend;
 use bastile_cubecl::reference::lora as reference;
 use bastile_cubecl::testing::{Rng, rel_l2, runtime_selected};
@@ -21,25 +22,6 @@ use burn::tensor::{Int, Tensor, TensorData};
 use safetensors::SafeTensors;
 
 type Nd = Autodiff<NdArray>;
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures")
-        .join(name)
-}
-
-fn tensor<B: Backend, const D: usize>(
-    v: &[f64],
-    shape: [usize; D],
-    device: &B::Device,
-) -> Tensor<B, D> {
-    let f: Vec<f32> = v.iter().map(|&x| x as f32).collect();
-    Tensor::from_data(TensorData::new(f, shape), device)
-}
-
-fn read<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f64> {
-    t.into_data().convert::<f64>().to_vec::<f64>().unwrap()
-}
 
 /// Replaces every float parameter by normal values of its shape (standard
 /// deviation `std`, from a fixed seed: the same on every backend), keeping
@@ -115,15 +97,15 @@ fn projection_matches_reference<B: AutodiffBackend + BastileBackend>(what: &str,
     };
     let [ey, edx, eda, edb] = reference::forward_backward(&problem, &g);
     let got = [
-        ("output", read(y)),
-        ("dx", read(xt.grad(&grads).unwrap())),
+        ("output", values(y)),
+        ("dx", values(xt.grad(&grads).unwrap())),
         (
             "dA",
-            read(adapter.lora_a.weight.val().grad(&grads).unwrap()),
+            values(adapter.lora_a.weight.val().grad(&grads).unwrap()),
         ),
         (
             "dB",
-            read(adapter.lora_b.weight.val().grad(&grads).unwrap()),
+            values(adapter.lora_b.weight.val().grad(&grads).unwrap()),
         ),
     ];
     for ((name, got), expected) in got.iter().zip([ey, edx, eda, edb]) {
@@ -169,7 +151,7 @@ struct Values(Vec<Vec<f64>>);
 
 impl<B: Backend> ModuleVisitor<B> for Values {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        self.0.push(read(param.val()));
+        self.0.push(values(param.val()));
     }
 }
 
@@ -255,7 +237,7 @@ fn lora_model_trains_only_its_adapters() {
 
 /// Logits of `ids` `[2, 11]` from a reference file, and the model's.
 fn logits<B: BastileBackend>(model: &CausalLm<B>, ids: Tensor<B, 2, Int>) -> Vec<f64> {
-    read(model.logits(ids).unwrap())
+    values(model.logits(ids).unwrap())
 }
 
 /// Merged weights give base + adapters' logits; the merged model has no
@@ -483,7 +465,7 @@ fn export_for_peft(out: &Path) {
         .logits(Tensor::from_data(TensorData::new(ids, shape), &device))
         .unwrap();
     let dims = logits.dims().to_vec();
-    let data: Vec<u8> = read(logits)
+    let data: Vec<u8> = values(logits)
         .into_iter()
         .flat_map(|v| (v as f32).to_le_bytes())
         .collect();

@@ -1,6 +1,8 @@
 //! The model tests, linked into a single test binary so Burn and the models
 //! are compiled once.
 
+mod common;
+
 mod checkpointing;
 mod hf_parity;
 mod loading;

@@ -3,6 +3,7 @@
 //! against an f64 reference, with experts receiving no token, one token and
 //! every token.
 
+use crate::common::{fixture, tensor, values};
 use bastile_cubecl::FloatDtype;
 use bastile_cubecl::reference::geglu;
 use bastile_cubecl::testing::{Rng, assert_close, runtime_selected, tolerance};
@@ -117,19 +118,6 @@ impl Case {
         }
         out
     }
-}
-
-fn tensor<B: AutodiffBackend, const D: usize>(
-    values: &[f64],
-    shape: [usize; D],
-    device: &B::Device,
-) -> Tensor<B, D> {
-    let data: Vec<f32> = values.iter().map(|&v| v as f32).collect();
-    Tensor::from_data(TensorData::new(data, shape), device)
-}
-
-fn values<B: burn::tensor::backend::Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f64> {
-    t.into_data().convert::<f64>().to_vec().unwrap()
 }
 
 /// The layer's output and the gradients of `sum(y ⊙ dy)`: x, router weight
@@ -247,12 +235,6 @@ fn routed_experts_match_dense_experts_and_reference() {
             "wgpu",
         );
     }
-}
-
-fn fixture(name: &str) -> std::path::PathBuf {
-    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures")
-        .join(name)
 }
 
 /// The GPT-OSS fixture gives the same logits with routed and dense experts.

@@ -1,0 +1,35 @@
+//! Helpers the model tests share: the HF fixtures and f64 views of tensors.
+
+use std::path::PathBuf;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+
+/// A tiny HF checkpoint under `models/fixtures/` (`make_fixtures.py`).
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(name)
+}
+
+/// An f32 tensor holding `values` (row-major).
+pub fn tensor<B: Backend, const D: usize>(
+    values: &[f64],
+    shape: [usize; D],
+    device: &B::Device,
+) -> Tensor<B, D> {
+    let data: Vec<f32> = values.iter().map(|&v| v as f32).collect();
+    Tensor::from_data(TensorData::new(data, shape), device)
+}
+
+/// A tensor's values as f64 (read as f32, exact for every float dtype the
+/// models use).
+pub fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f64> {
+    t.into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f64::from)
+        .collect()
+}
