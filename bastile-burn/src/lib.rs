@@ -35,9 +35,10 @@
 //!   [`rope`] / [`rope_one`] with [`RopeTables`], [`linear_cross_entropy`]
 //!   (the LM head and its loss without materialized logits) and
 //!   [`cross_entropy`] on given logits, with [`CrossEntropyOptions`],
-//!   [`lora_update`], and [`embedding`] (the token lookup, whose gradient
+//!   [`lora_update`], [`embedding`] (the token lookup, whose gradient
 //!   is added into a tied output layer's in place, see also
-//!   [`add_embedding_grad`]).
+//!   [`add_embedding_grad`]) and [`gather_rows`] (rows gathered by an
+//!   index whose inverse gathers their gradient back: routed experts).
 //! * [`apply`], [`reset`], [`patched_ops`] switch ops on and off at run time;
 //!   a disabled op takes the composite path.
 //! * [`nn`] has drop-in replacements for the matching `burn::nn` modules.
@@ -71,6 +72,7 @@ pub use ops::cross_entropy::{
     CrossEntropyOptions, CrossEntropyOutput, LabelCheck, Reduction, cross_entropy, first_flagged,
 };
 pub use ops::embedding::{add_embedding_grad, embedding};
+pub use ops::gather_rows::gather_rows;
 pub use ops::geglu::geglu_oss;
 pub use ops::linear_cross_entropy::{LinearGrads, linear_cross_entropy};
 pub use ops::lora::lora_update;

@@ -23,11 +23,13 @@ pub enum Op {
     /// A token embedding lookup whose backward pass adds into the
     /// weight's existing gradient.
     Embedding,
+    /// The routed experts' row gathers, whose backward passes gather too.
+    Moe,
 }
 
 impl Op {
     /// Every switchable op.
-    pub const ALL: [Op; 10] = [
+    pub const ALL: [Op; 11] = [
         Op::RmsNorm,
         Op::SwiGlu,
         Op::Geglu,
@@ -38,6 +40,7 @@ impl Op {
         Op::Attention,
         Op::Lora,
         Op::Embedding,
+        Op::Moe,
     ];
 
     fn bit(self) -> u32 {
@@ -57,6 +60,7 @@ impl Op {
             Op::Attention => "attention",
             Op::Lora => "lora",
             Op::Embedding => "embedding",
+            Op::Moe => "moe",
         }
     }
 }
@@ -89,6 +93,9 @@ pub struct Patches {
     /// Embedding lookups whose gradient is added into the weight's
     /// existing one (tied embeddings: one `[vocab, hidden]` buffer).
     pub embedding: bool,
+    /// Routed experts' row gathers ([`crate::gather_rows`]) whose gradients
+    /// are gathered back instead of scattered row by row.
+    pub moe: bool,
 }
 
 impl Default for Patches {
@@ -115,6 +122,7 @@ impl Patches {
             attention: on,
             lora: on,
             embedding: on,
+            moe: on,
         }
     }
 
@@ -130,6 +138,7 @@ impl Patches {
             (self.attention, Op::Attention),
             (self.lora, Op::Lora),
             (self.embedding, Op::Embedding),
+            (self.moe, Op::Moe),
         ]
         .into_iter()
         .filter(|(on, _)| *on)

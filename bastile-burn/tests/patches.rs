@@ -81,6 +81,11 @@ fn switchboard_checks() {
         ..Patches::none()
     });
     assert_eq!(patched_ops(), vec![Op::Embedding]);
+    apply(Patches {
+        moe: true,
+        ..Patches::none()
+    });
+    assert_eq!(patched_ops(), vec![Op::Moe]);
     apply(Patches::none());
     assert!(patched_ops().is_empty());
     let names: Vec<String> = Op::ALL.iter().map(|op| op.to_string()).collect();
@@ -96,7 +101,8 @@ fn switchboard_checks() {
             "matmul",
             "attention",
             "lora",
-            "embedding"
+            "embedding",
+            "moe"
         ]
     );
     apply(Patches {

@@ -19,11 +19,13 @@ const GPU_TESTS: &[&str] = &[
     "rope",
     "cross_entropy",
     "embedding",
+    "gather_rows",
     "streams",
     "matmul",
     "adamw",
     "checkpointing",
     "hf_parity",
+    "moe",
     "training",
     "parallel",
 ];

@@ -6,6 +6,7 @@ pub mod adamw;
 pub mod attention;
 pub mod cross_entropy;
 pub mod embedding;
+pub mod gather_rows;
 pub mod geglu;
 pub mod linear_cross_entropy;
 pub mod lora;
