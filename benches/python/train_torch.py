@@ -73,6 +73,7 @@ PRESETS = {
     "qwen3-8b": qwen3(4096, 12288, 36, 32, 8, tied=False),
     "llama-3.2-1b": llama(2048, 8192, 16, 32, 8, 64),
     "gpt-oss-20b-4l": gpt_oss(4),
+    "gpt-oss-20b-8l": gpt_oss(8),
 }
 
 # Liger's patch for each model type.
@@ -162,6 +163,8 @@ def one(model_name, impl, batch, seq, steps, attn, lora=None, checkpointing=Fals
         "dtype": "bf16",
         "implementation": name(impl, attn, lora, checkpointing),
         "attention": model.config._attn_implementation,
+        # How a mixture of experts ran (HF's default for the model).
+        "experts": getattr(model.config, "_experts_implementation", None),
         "ms_per_step": ms,
         "tokens_per_s": batch * seq / (ms / 1e3),
         **closing_fields(first_step_s),

@@ -16,6 +16,7 @@ pub const NAMES: &[&str] = &[
     "llama-3.2-3b",
     "gpt-oss-20b",
     "gpt-oss-20b-4l",
+    "gpt-oss-20b-8l",
     "bastile-tiny",
 ];
 
@@ -146,6 +147,7 @@ pub fn preset(name: &str) -> Result<HfConfig, ModelError> {
         "llama-3.2-3b" => llama(d(3072, 8192, 28, 24, 8, 128, true)),
         "gpt-oss-20b" => gpt_oss(24),
         "gpt-oss-20b-4l" => gpt_oss(4),
+        "gpt-oss-20b-8l" => gpt_oss(8),
         TINY => {
             let mut c = qwen3(d(128, 384, 2, 4, 2, 32, true));
             c.vocab_size = TINY_VOCAB;
