@@ -97,6 +97,10 @@ pub struct FinetuneOptions {
     /// How a mixture of experts runs them (routed: an error for a model
     /// without experts).
     pub expert_routing: ExpertRouting,
+    /// The weight of the router's load-balancing loss in the training loss
+    /// (`Some(0.0)`: none; `None`: as the model's `config.json` says); an
+    /// error for a model without experts.
+    pub router_aux_loss: Option<f64>,
 }
 
 /// What a finetuning run did.
@@ -283,6 +287,9 @@ impl Finetune {
         if o.expert_routing != ExpertRouting::Dense {
             model = model.with_expert_routing(o.expert_routing)?;
         }
+        if let Some(coef) = o.router_aux_loss {
+            model = model.with_router_aux_loss((coef != 0.0).then_some(coef))?;
+        }
         let per_step = o.batch_size * o.grad_accum * o.devices;
         let multiple = o.pad_to_multiple.unwrap_or(info.pad_multiple());
         // Packed rows hold the longest example (rounded up to the padding
@@ -388,6 +395,9 @@ impl Finetune {
         }
         if o.expert_routing == ExpertRouting::Routed {
             trained += ", routed experts";
+        }
+        if let Some(coef) = model.router_aux_loss() {
+            trained += &format!(", router load-balancing loss x{coef}");
         }
         let rows = if o.packing {
             format!("rows of {row_len} tokens, each packing whole examples")

@@ -105,6 +105,11 @@ enum Command {
         /// per layer) instead of every expert on every token.
         #[arg(long)]
         routed_experts: bool,
+        /// GPT-OSS: add the router's load-balancing loss (HF's
+        /// `output_router_logits`) with this weight to the training loss
+        /// (0: none; default: as the model's config.json says).
+        #[arg(long, value_name = "COEF")]
+        router_aux_loss: Option<f64>,
         /// Passes over the data (default: 60 for the tiny preset, which
         /// starts from random weights, else 3).
         #[arg(long)]
@@ -334,6 +339,7 @@ fn run(cli: Cli, cache: &KernelCache) -> Result<(), CliError> {
             devices,
             checkpointing,
             routed_experts,
+            router_aux_loss,
             epochs,
             steps,
             lr,
@@ -392,6 +398,7 @@ fn run(cli: Cli, cache: &KernelCache) -> Result<(), CliError> {
                 } else {
                     ExpertRouting::Dense
                 },
+                router_aux_loss,
             };
             finetune::run(common.device, !common.no_bastile, options)?;
         }

@@ -60,6 +60,7 @@ fn options(output: PathBuf, steps: usize) -> FinetuneOptions {
         devices: 1,
         checkpointing: Checkpointing::Off,
         expert_routing: ExpertRouting::Dense,
+        router_aux_loss: None,
     }
 }
 
@@ -563,6 +564,15 @@ fn bad_options_fail_before_training() {
     o.expert_routing = ExpertRouting::Routed;
     let e = finetune(DeviceKind::Cpu, false, o).unwrap_err().to_string();
     assert!(e.contains("needs a mixture-of-experts model"), "{e}");
+    let mut o = options(temp_dir("bad"), 1);
+    o.router_aux_loss = Some(0.01);
+    let e = finetune(DeviceKind::Cpu, false, o).unwrap_err().to_string();
+    assert!(
+        e.contains(
+            "a router load-balancing loss (coefficient 0.01) needs a mixture-of-experts model"
+        ),
+        "{e}"
+    );
     let mut o = options(temp_dir("bad"), 1);
     o.dtype = DTypeArg::Bf16;
     let e = finetune(DeviceKind::Cpu, false, o).unwrap_err().to_string();

@@ -16,11 +16,12 @@ use bastile::{BastileBackend, CrossEntropyOptions, CrossEntropyOutput, RopeTable
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{DType, Int, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::ModelError;
 use crate::model::{CausalLm, LossInput};
+use crate::moe::RouterLoad;
 
 /// Which decoder layers recompute their activations in the backward pass
 /// instead of keeping them ([`CausalLm::with_checkpointing`]).
@@ -126,20 +127,29 @@ where
             sin: tables.sin.clone().inner(),
         };
         let mut x = bastile::embedding(self.model.embed_tokens.weight.val().inner(), inner_ids)?;
+        // With the router's load-balancing loss, the layers' router loads:
+        // their assignments weigh every layer's router probabilities.
+        let router_loads = self.router_aux_loss().is_some();
+        let mut loads = Vec::new();
         let mut saved = Vec::with_capacity(self.model.layers.len());
         for (i, layer) in self.model.layers.iter().enumerate() {
             if self.checkpointing.recomputes(i) {
-                let out =
-                    layer
-                        .valid()
-                        .forward(x.clone(), &inner_tables, inner_positions.as_ref())?;
+                let (out, load) = layer.valid().forward(
+                    x.clone(),
+                    &inner_tables,
+                    inner_positions.as_ref(),
+                    router_loads,
+                )?;
+                loads.extend(load);
                 saved.push(Saved::Input(x));
                 x = out;
             } else {
                 let leaf = Tensor::from_inner(x).require_grad();
-                let out = layer.forward(leaf.clone(), &tables, positions.as_ref())?;
+                let (out, load) =
+                    layer.forward(leaf.clone(), &tables, positions.as_ref(), router_loads)?;
+                loads.extend(load.clone().map(RouterLoad::inner));
                 x = out.clone().inner();
-                saved.push(Saved::Graph { leaf, out });
+                saved.push(Saved::Graph { leaf, out, load });
             }
         }
 
@@ -148,8 +158,24 @@ where
         let mut grads = GradientsParams::new();
         let leaf = Tensor::from_inner(x).require_grad();
         let mut out = self.head_loss(leaf.clone(), shifted, options)?;
+        // The load-balancing loss's weights, scaled as the loss is; each
+        // layer's part joins the loss here and its gradient joins the
+        // layer's backward pass.
+        let aux_weights = match (
+            self.router_aux_scale(&out, options)?,
+            RouterLoad::loss_weights(&loads),
+        ) {
+            (Some(scale), Some(weights)) => Some(weights * (scale / divisor.clone()).inner()),
+            _ => None,
+        };
         let loss = out.loss / divisor;
-        out.loss = loss.clone().detach();
+        let mut reported = loss.clone().detach();
+        if let Some(weights) = &aux_weights {
+            for load in &loads {
+                reported = reported + Tensor::from_inner(load.loss_term(weights.clone()));
+            }
+        }
+        out.loss = reported;
         let mut segment = loss.backward();
         take_grads(&mut segment, &self.model.norm, &mut grads);
         match &self.lm_head {
@@ -158,17 +184,28 @@ where
         }
         let mut dx = input_grad(&leaf, &mut segment);
         for (layer, saved) in self.model.layers.iter().zip(saved).rev() {
-            let (leaf, out) = match saved {
+            let (leaf, out, load) = match saved {
                 Saved::Input(x) => {
                     let leaf = Tensor::from_inner(x).require_grad();
-                    let out = layer.forward(leaf.clone(), &tables, positions.as_ref())?;
-                    (leaf, out)
+                    let (out, load) = layer.forward(
+                        leaf.clone(),
+                        &tables,
+                        positions.as_ref(),
+                        aux_weights.is_some(),
+                    )?;
+                    (leaf, out, load)
                 }
-                Saved::Graph { leaf, out } => (leaf, out),
+                Saved::Graph { leaf, out, load } => (leaf, out, load),
             };
             // The backward pass of `out · dx` seeds `out`'s gradient with
-            // ones times `dx`: the layer's backward pass from `dx`.
-            let mut segment = (out * dx).backward();
+            // ones times `dx`: the layer's backward pass from `dx`, plus
+            // its router's part of the load-balancing loss.
+            let mut segment = match (load, &aux_weights) {
+                (Some(load), Some(weights)) => ((out * dx).sum().cast(DType::F32)
+                    + load.loss_term(Tensor::from_inner(weights.clone())))
+                .backward(),
+                _ => (out * dx).backward(),
+            };
             take_grads(&mut segment, layer, &mut grads);
             dx = input_grad(&leaf, &mut segment);
         }
@@ -189,10 +226,12 @@ where
 enum Saved<B: AutodiffBackend> {
     /// A checkpointed layer's input.
     Input(Tensor<B::InnerBackend, 3>),
-    /// A layer run with its graph: its input (a leaf) and output.
+    /// A layer run with its graph: its input (a leaf), output and router
+    /// load.
     Graph {
         leaf: Tensor<B, 3>,
         out: Tensor<B, 3>,
+        load: Option<RouterLoad<B>>,
     },
 }
 

@@ -99,6 +99,10 @@ pub struct MoeConfig {
     pub top_k: usize,
     /// The GEGLU clamp (`swiglu_limit`, 7.0).
     pub limit: f64,
+    /// The coefficient of the router's load-balancing loss added to the
+    /// training loss (HF's `router_aux_loss_coef` when `config.json` sets
+    /// `output_router_logits`); `None`: no such loss.
+    pub router_aux_loss: Option<f64>,
 }
 
 /// A validated config: everything the model code needs, in one place.
@@ -163,6 +167,26 @@ impl HfConfig {
             Some(v) => parse_scaling(v, self.max_position_embeddings)?,
         };
         Ok((theta, scaling))
+    }
+
+    /// HF's load-balancing loss setting: `router_aux_loss_coef` (HF's
+    /// default 0.001) when `output_router_logits` is true.
+    fn router_aux_loss(&self) -> Result<Option<f64>, ModelError> {
+        if self
+            .extra
+            .get("output_router_logits")
+            .and_then(Value::as_bool)
+            != Some(true)
+        {
+            return Ok(None);
+        }
+        let coef = match self.extra.get("router_aux_loss_coef") {
+            None | Some(Value::Null) => 0.001,
+            Some(v) => v.as_f64().ok_or_else(|| {
+                ModelError::Config(format!("router_aux_loss_coef must be a number, got {v}"))
+            })?,
+        };
+        check_router_aux_loss(coef).map(Some)
     }
 
     /// Validates and resolves the config.
@@ -252,6 +276,7 @@ impl HfConfig {
                     experts,
                     top_k,
                     limit: self.swiglu_limit.unwrap_or(7.0),
+                    router_aux_loss: self.router_aux_loss()?,
                 };
                 (windows, Some(moe))
             }
@@ -283,6 +308,18 @@ impl HfConfig {
             windows,
             moe,
         })
+    }
+}
+
+/// `coef` if it can weigh the router's load-balancing loss (finite, not
+/// negative).
+pub(crate) fn check_router_aux_loss(coef: f64) -> Result<f64, ModelError> {
+    if coef.is_finite() && coef >= 0.0 {
+        Ok(coef)
+    } else {
+        Err(ModelError::Config(format!(
+            "the router's load-balancing loss coefficient must be finite and not negative, got {coef}"
+        )))
     }
 }
 

@@ -10,7 +10,7 @@ use burn::tensor::backend::Backend;
 use crate::ModelError;
 use crate::config::ModelConfig;
 use crate::lora::{LoraAdapter, MlpAdapters, project};
-use crate::moe::Moe;
+use crate::moe::{Moe, RouterLoad};
 
 /// HF's `mlp` (variant names are not part of the parameter paths).
 #[derive(Module, Debug)]
@@ -39,12 +39,15 @@ impl<B: Backend> Mlp<B> {
 
 impl<B: BastileBackend> Mlp<B> {
     /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`; `adapters` add
-    /// their LoRA updates to the dense MLP's projections.
+    /// their LoRA updates to the dense MLP's projections. With
+    /// `router_load`, the experts' [`RouterLoad`] comes along (a dense MLP
+    /// has none).
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
         adapters: Option<&MlpAdapters<B>>,
-    ) -> Result<Tensor<B, 3>, ModelError> {
+        router_load: bool,
+    ) -> Result<(Tensor<B, 3>, Option<RouterLoad<B>>), ModelError> {
         match self {
             Mlp::Dense(mlp) => {
                 let adapter = |pick: fn(&MlpAdapters<B>) -> &Option<LoraAdapter<B>>| {
@@ -53,9 +56,9 @@ impl<B: BastileBackend> Mlp<B> {
                 let gate = project(&mlp.gate_proj, adapter(|a| &a.gate_proj), x.clone())?;
                 let up = project(&mlp.up_proj, adapter(|a| &a.up_proj), x)?;
                 let h = swiglu(gate, up)?;
-                project(&mlp.down_proj, adapter(|a| &a.down_proj), h)
+                Ok((project(&mlp.down_proj, adapter(|a| &a.down_proj), h)?, None))
             }
-            Mlp::Experts(moe) => moe.forward(x),
+            Mlp::Experts(moe) => moe.forward_with_load(x, router_load),
         }
     }
 }

@@ -6,7 +6,8 @@
 
 use bastile::nn::{RmsNorm, RmsNormConfig, rope_frequencies};
 use bastile::{
-    BastileBackend, CrossEntropyOptions, CrossEntropyOutput, RopeTables, linear_cross_entropy,
+    BastileBackend, CrossEntropyOptions, CrossEntropyOutput, Reduction, RopeTables,
+    linear_cross_entropy,
 };
 use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer};
@@ -19,6 +20,7 @@ use crate::checkpointing::Checkpointing;
 use crate::config::{HfConfig, ModelConfig};
 use crate::lora::{LayerAdapters, LoraConfig};
 use crate::mlp::Mlp;
+use crate::moe::RouterLoad;
 
 /// One transformer block.
 #[derive(Module, Debug)]
@@ -286,23 +288,58 @@ impl<B: BastileBackend> CausalLm<B> {
     ) -> Result<Tensor<B, 3>, ModelError> {
         self.check_shape(&ids, positions.as_ref())?;
         self.check_token_ids(&ids).result()?;
-        let x = self.decode(ids, positions)?;
+        let (x, _) = self.decode(ids, positions, false)?;
         Ok(self.model.norm.try_forward(x)?)
     }
 
     /// The layers' output for ids already checked (or clamped), before the
-    /// final norm.
+    /// final norm, and with `router_loads` the loads of the layers'
+    /// routers (none without experts).
     fn decode(
         &self,
         ids: Tensor<B, 2, Int>,
         positions: Option<Tensor<B, 2, Int>>,
-    ) -> Result<Tensor<B, 3>, ModelError> {
+        router_loads: bool,
+    ) -> Result<(Tensor<B, 3>, Vec<RouterLoad<B>>), ModelError> {
         let tables = self.rope_tables(&ids, positions.as_ref());
         let mut x = bastile::embedding(self.model.embed_tokens.weight.val(), ids)?;
+        let mut loads = Vec::new();
         for layer in &self.model.layers {
-            x = layer.forward(x, &tables, positions.as_ref())?;
+            let (out, load) = layer.forward(x, &tables, positions.as_ref(), router_loads)?;
+            x = out;
+            loads.extend(load);
         }
-        Ok(x)
+        Ok((x, loads))
+    }
+
+    /// The weight of the router's load-balancing loss beside a
+    /// cross-entropy `out` reduced as `options` say, `[1]`: its coefficient,
+    /// times the counted tokens for a sum (over a normalizer, for a mean
+    /// with one), so the micro-batches of a step weigh it by their tokens
+    /// as they weigh their cross-entropy. `None` without that loss.
+    pub(crate) fn router_aux_scale(
+        &self,
+        out: &CrossEntropyOutput<B>,
+        options: CrossEntropyOptions,
+    ) -> Result<Option<Tensor<B, 1>>, ModelError> {
+        let Some(coef) = self.router_aux_loss() else {
+            return Ok(None);
+        };
+        let tokens = || out.tokens.clone().float().cast(DType::F32);
+        Ok(Some(match (options.reduction, options.normalizer) {
+            (Reduction::Mean, None) => {
+                Tensor::<B, 1>::from_floats([coef], &out.loss.device()).cast(DType::F32)
+            }
+            (Reduction::Mean, Some(normalizer)) => tokens() * (coef / normalizer),
+            (Reduction::Sum, _) => tokens() * coef,
+            (Reduction::None, _) => {
+                return Err(ModelError::Config(
+                    "the router's load-balancing loss is added to a reduced loss (Mean or \
+                     Sum), not to per-token losses"
+                        .into(),
+                ));
+            }
+        }))
     }
 
     /// RoPE's tables for rows of `ids`: each token's place in its row, or
@@ -371,8 +408,17 @@ impl<B: BastileBackend> CausalLm<B> {
         options: CrossEntropyOptions,
     ) -> Result<CrossEntropyOutput<B>, ModelError> {
         let input = self.loss_input(ids, labels, positions, options)?;
-        let x = self.decode(input.ids, input.positions)?;
-        self.head_loss(x, input.shifted, options)
+        let router_loads = self.router_aux_loss().is_some();
+        let (x, loads) = self.decode(input.ids, input.positions, router_loads)?;
+        let mut out = self.head_loss(x, input.shifted, options)?;
+        if let Some(scale) = self.router_aux_scale(&out, options)?
+            && let Some(weights) = RouterLoad::loss_weights(&loads)
+        {
+            for load in &loads {
+                out.loss = out.loss + load.loss_term(weights.clone() * scale.clone());
+            }
+        }
+        Ok(out)
     }
 
     /// The checked (or, with a deferred label check, clamped) ids and the
@@ -456,13 +502,15 @@ pub(crate) struct LossInput<B: Backend> {
 
 impl<B: BastileBackend> Layer<B> {
     /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`: attention and
-    /// the MLP, each behind its norm and added to the residual stream.
+    /// the MLP, each behind its norm and added to the residual stream; with
+    /// `router_load`, the experts' [`RouterLoad`] (none for a dense MLP).
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
         tables: &RopeTables<B>,
         positions: Option<&Tensor<B, 2, Int>>,
-    ) -> Result<Tensor<B, 3>, ModelError> {
+        router_load: bool,
+    ) -> Result<(Tensor<B, 3>, Option<RouterLoad<B>>), ModelError> {
         let adapters = self.lora.as_ref();
         let a = self.self_attn.forward(
             self.input_layernorm.try_forward(x.clone())?,
@@ -471,11 +519,12 @@ impl<B: BastileBackend> Layer<B> {
             adapters.map(|l| &l.self_attn),
         )?;
         let x = x + a;
-        let m = self.mlp.forward(
+        let (m, load) = self.mlp.forward(
             self.post_attention_layernorm.try_forward(x.clone())?,
             adapters.map(|l| &l.mlp),
+            router_load,
         )?;
-        Ok(x + m)
+        Ok((x + m, load))
     }
 }
 

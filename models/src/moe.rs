@@ -4,19 +4,19 @@
 //! with bias, combined with the routing weights.
 //!
 //! Two ways to run the experts ([`ExpertRouting`]), the same function:
-//! every expert on every token with weight 0 where it was not chosen (HF's
-//! training formulation, batched matmuls at `experts / top_k` times the
-//! expert flops), or each expert on the tokens routed to it.
+//! every expert on every token with weight 0 where it was not chosen
+//! (batched matmuls at `experts / top_k` times the expert flops), or each
+//! expert on the tokens routed to it.
 
-use bastile::{BastileBackend, geglu_oss};
+use bastile::{BastileBackend, gather_rows, geglu_oss};
 use burn::module::{Module, Param};
 use burn::nn::{Initializer, Linear, LinearConfig};
 use burn::tensor::activation::softmax;
-use burn::tensor::backend::Backend;
-use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use crate::ModelError;
-use crate::config::MoeConfig;
+use crate::config::{MoeConfig, check_router_aux_loss};
 
 /// GPT-OSS's GEGLU slope.
 const ALPHA: f64 = 1.702;
@@ -39,10 +39,12 @@ pub enum ExpertRouting {
     #[default]
     Dense,
     /// Each expert on the tokens routed to it: the token-expert assignments
-    /// sorted by expert (the routing is read back to the host once per
-    /// layer), one `gate_up` and one `down` product per expert that received
-    /// tokens, the weighted rows added back in token order. `top_k /
-    /// experts` of the dense path's expert flops and activations.
+    /// grouped by expert (the routing is read back to the host once per
+    /// layer), the groups padded to the largest one, one batched `gate_up`
+    /// and one `down` product over them, each token's rows gathered back and
+    /// weighted. About `top_k / experts` of the dense path's expert flops and
+    /// activations when the experts' loads are even, never more than the
+    /// dense path's (one expert taking every token).
     Routed,
 }
 
@@ -84,17 +86,28 @@ impl<B: Backend> Moe<B> {
 impl<B: BastileBackend> Moe<B> {
     /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>, ModelError> {
+        Ok(self.forward_with_load(x, false)?.0)
+    }
+
+    /// [`Moe::forward`], with the layer's [`RouterLoad`] when `router_load`
+    /// (for the load-balancing loss).
+    pub fn forward_with_load(
+        &self,
+        x: Tensor<B, 3>,
+        router_load: bool,
+    ) -> Result<(Tensor<B, 3>, Option<RouterLoad<B>>), ModelError> {
         let [b, s, h] = x.dims();
         let x = x.reshape([b * s, h]);
         let logits = self.router.forward(x.clone());
         let (top, chosen) = logits.clone().topk_with_indices(self.top_k, 1);
+        let load = router_load.then(|| RouterLoad::new(logits.clone(), chosen.clone()));
         // Softmax over the k chosen logits.
         let weights = softmax(top, 1);
         let out = match self.routing {
             ExpertRouting::Dense => self.dense(x, logits, weights, chosen)?,
             ExpertRouting::Routed => self.routed(x, weights, chosen)?,
         };
-        Ok(out.reshape([b, s, h]))
+        Ok((out.reshape([b, s, h]), load))
     }
 
     /// Every expert on every token; the routing weights are spread over
@@ -123,7 +136,12 @@ impl<B: BastileBackend> Moe<B> {
         Ok(weighted.sum_dim(0).reshape([t, h]))
     }
 
-    /// Each expert on its own tokens.
+    /// Each expert on its own tokens: the token-expert assignments grouped
+    /// by expert (the routing read back once per layer), every group padded
+    /// to the largest one's `capacity` rows, one batched product per
+    /// projection over `[experts, capacity, ·]`, and each token's `top_k`
+    /// rows gathered back and weighted. Both gathers know their inverse
+    /// ([`gather_rows`]): their gradients are gathered too.
     fn routed(
         &self,
         x: Tensor<B, 2>,
@@ -133,7 +151,7 @@ impl<B: BastileBackend> Moe<B> {
         let [t, h] = x.dims();
         let k = self.top_k;
         let ex = &self.experts;
-        let [experts, _, two_inter] = ex.gate_up_proj.dims();
+        let experts = ex.gate_up_proj.dims()[0];
         let device = x.device();
         let chosen: Vec<i64> = chosen
             .try_into_data()
@@ -141,49 +159,130 @@ impl<B: BastileBackend> Moe<B> {
             .convert::<i64>()
             .into_vec()
             .map_err(|e| ModelError::Device(format!("reading the expert routing back: {e:?}")))?;
-        // Assignment `slot` is token `slot / k`'s `slot % k`-th choice; a
-        // stable sort keeps each expert's tokens in token order.
-        let mut slots: Vec<usize> = (0..t * k).collect();
-        slots.sort_by_key(|&slot| chosen[slot]);
         let mut counts = vec![0usize; experts];
         for &expert in &chosen {
             counts[expert as usize] += 1;
         }
-        let ids = |values: Vec<i64>| {
-            let n = values.len();
-            Tensor::<B, 1, Int>::from_data(TensorData::new(values, [n]), &device)
-        };
-        let tokens = ids(slots.iter().map(|&slot| (slot / k) as i64).collect());
-        let sorted_slots = ids(slots.iter().map(|&slot| slot as i64).collect());
-        let zeros = x.zeros_like();
-        let rows = x.select(0, tokens.clone());
-        let row_weights = weights.reshape([t * k]).select(0, sorted_slots);
-        let mut outputs = Vec::new();
-        let mut start = 0;
-        for (expert, &count) in counts.iter().enumerate() {
-            if count == 0 {
-                continue;
-            }
-            let expert_rows = rows.clone().slice(start..start + count);
-            start += count;
-            let gate_up = expert_rows.matmul(
-                ex.gate_up_proj
-                    .val()
-                    .slice(expert..expert + 1)
-                    .reshape([h, two_inter]),
-            ) + ex.gate_up_proj_bias.val().slice(expert..expert + 1);
-            let act = geglu_oss(gate_up, ALPHA, self.limit)?;
-            outputs.push(
-                act.matmul(
-                    ex.down_proj
-                        .val()
-                        .slice(expert..expert + 1)
-                        .reshape([two_inter / 2, h]),
-                ) + ex.down_proj_bias.val().slice(expert..expert + 1),
-            );
+        let capacity = counts.iter().copied().max().unwrap_or(0).max(1);
+        // Row `e * capacity + i` of the groups holds expert `e`'s `i`-th
+        // assignment in token order (assignment `slot` is token `slot / k`'s
+        // `slot % k`-th choice); rows past an expert's count repeat token 0
+        // and are never gathered back, so they add nothing to any gradient.
+        // Each gather's inverse gathers its gradient back: token `t`'s rows
+        // are `row_of_slot[t]`, row `r`'s slot is `slot_of_row[r]` (`t * k`,
+        // no slot, for the padding).
+        let rows = experts * capacity;
+        let mut token_of_row = vec![0i64; rows];
+        let mut slot_of_row = vec![(t * k) as i64; rows];
+        let mut row_of_slot = vec![0i64; t * k];
+        let mut filled = vec![0usize; experts];
+        for (slot, &expert) in chosen.iter().enumerate() {
+            let expert = expert as usize;
+            let row = expert * capacity + filled[expert];
+            filled[expert] += 1;
+            token_of_row[row] = (slot / k) as i64;
+            slot_of_row[row] = slot as i64;
+            row_of_slot[slot] = row as i64;
         }
-        let weighted = Tensor::cat(outputs, 0) * row_weights.unsqueeze_dim(1);
-        Ok(zeros.select_assign(0, tokens, weighted, IndexingUpdateOp::Add))
+        let ids = |values: Vec<i64>, shape: [usize; 2]| {
+            Tensor::<B, 2, Int>::from_data(TensorData::new(values, shape), &device)
+        };
+        let token_of_row = ids(token_of_row, [rows, 1]).reshape([rows]);
+        let row_of_slot = ids(row_of_slot, [t, k]);
+        let slot_of_row = ids(slot_of_row, [rows, 1]);
+        let groups =
+            gather_rows(x, token_of_row, row_of_slot.clone())?.reshape([experts, capacity, h]);
+        let gate_up =
+            groups.matmul(ex.gate_up_proj.val()) + ex.gate_up_proj_bias.val().unsqueeze_dim(1);
+        let act = geglu_oss(gate_up, ALPHA, self.limit)?;
+        let out = act.matmul(ex.down_proj.val()) + ex.down_proj_bias.val().unsqueeze_dim(1);
+        let per_choice = gather_rows(
+            out.reshape([rows, h]),
+            row_of_slot.reshape([t * k]),
+            slot_of_row,
+        )?
+        .reshape([t, k, h]);
+        Ok((per_choice * weights.unsqueeze_dim::<3>(2))
+            .sum_dim(1)
+            .reshape([t, h]))
+    }
+}
+
+/// One layer's part of HF's load-balancing loss (`load_balancing_loss_func`,
+/// Switch Transformer's `experts · Σ_e f_e · P_e`, where `f_e` is the share
+/// of token-expert assignments expert `e` received and `P_e` the router's
+/// mean softmax probability for it, over every layer's tokens).
+#[derive(Debug, Clone)]
+pub struct RouterLoad<B: Backend> {
+    /// `[experts]`, f32: the token-expert assignments each expert received
+    /// (constants: the top-k choice has no gradient).
+    pub assigned: Tensor<B, 1>,
+    /// `[experts]`, f32: the router's softmax over all experts, summed over
+    /// the tokens.
+    pub probability: Tensor<B, 1>,
+    /// The tokens the router saw.
+    pub tokens: usize,
+}
+
+impl<B: Backend> RouterLoad<B> {
+    /// The load of router `logits` `[tokens, experts]` that chose `chosen`
+    /// `[tokens, top_k]`.
+    fn new(logits: Tensor<B, 2>, chosen: Tensor<B, 2, Int>) -> Self {
+        let [tokens, experts] = logits.dims();
+        let assignments = tokens * chosen.dims()[1];
+        let device = logits.device();
+        // One row per assignment, true in its expert's column: summed in
+        // parallel (a scatter into `[experts]` walks the assignments one
+        // after another).
+        let expert_ids = Tensor::<B, 1, Int>::arange(0..experts as i64, &device)
+            .reshape([1, experts])
+            .expand([assignments, experts]);
+        let assigned = chosen
+            .reshape([assignments, 1])
+            .expand([assignments, experts])
+            .equal(expert_ids)
+            .float()
+            .cast(DType::F32)
+            .sum_dim(0)
+            .reshape([experts])
+            .detach();
+        let probability = softmax(logits.cast(DType::F32), 1)
+            .sum_dim(0)
+            .reshape([experts]);
+        RouterLoad {
+            assigned,
+            probability,
+            tokens,
+        }
+    }
+
+    /// The load-balancing loss of the layers' `loads` is
+    /// `Σ_l probability_l · weights`: these weights (`[experts]`, constants).
+    pub fn loss_weights(loads: &[RouterLoad<B>]) -> Option<Tensor<B, 1>> {
+        let rows: usize = loads.iter().map(|l| l.tokens).sum();
+        let assigned = loads
+            .iter()
+            .map(|l| l.assigned.clone())
+            .reduce(|a, b| a + b)?;
+        let [experts] = assigned.dims();
+        Some(assigned * (experts as f64 / (rows as f64 * rows as f64)))
+    }
+
+    /// This layer's part of the loss, `[1]`, with `weights` from
+    /// [`RouterLoad::loss_weights`] (scaled as the loss is).
+    pub fn loss_term(&self, weights: Tensor<B, 1>) -> Tensor<B, 1> {
+        (self.probability.clone() * weights).sum()
+    }
+}
+
+impl<B: AutodiffBackend> RouterLoad<B> {
+    /// The load without its graph.
+    pub fn inner(self) -> RouterLoad<B::InnerBackend> {
+        RouterLoad {
+            assigned: self.assigned.inner(),
+            probability: self.probability.inner(),
+            tokens: self.tokens,
+        }
     }
 }
 
@@ -191,17 +290,50 @@ impl<B: Backend> crate::CausalLm<B> {
     /// The model with its mixture-of-experts layers running their experts
     /// as `routing` says; an error for a model without experts.
     pub fn with_expert_routing(mut self, routing: ExpertRouting) -> Result<Self, ModelError> {
-        if self.config.moe.is_none() {
-            return Err(ModelError::Config(format!(
-                "expert routing ({routing:?}) needs a mixture-of-experts model; {:?} has none",
-                self.config.architecture
-            )));
-        }
+        self.moe_config(&format!("expert routing ({routing:?})"))?;
         for layer in &mut self.model.layers {
             if let crate::mlp::Mlp::Experts(moe) = &mut layer.mlp {
                 moe.routing = routing;
             }
         }
         Ok(self)
+    }
+    /// The model with the router's load-balancing loss added to its loss
+    /// with weight `coef` (HF's `output_router_logits` with
+    /// `router_aux_loss_coef`), or without it (`None`). The loss counts
+    /// every position of the batch, as HF's does without an attention mask;
+    /// a micro-batch's part is weighted by its counted tokens, as its
+    /// cross-entropy is. An error for a model without experts or a
+    /// coefficient that is negative or not finite.
+    pub fn with_router_aux_loss(mut self, coef: Option<f64>) -> Result<Self, ModelError> {
+        let coef = coef.map(check_router_aux_loss).transpose()?;
+        let what = match coef {
+            Some(c) => format!("a router load-balancing loss (coefficient {c})"),
+            None => "a router load-balancing loss setting".into(),
+        };
+        let moe = self.moe_config(&what)?;
+        self.config.moe = Some(MoeConfig {
+            router_aux_loss: coef,
+            ..moe
+        });
+        Ok(self)
+    }
+
+    /// The weight of the router's load-balancing loss in the training
+    /// loss, when the model adds one ([`CausalLm::with_router_aux_loss`]).
+    ///
+    /// [`CausalLm::with_router_aux_loss`]: crate::CausalLm::with_router_aux_loss
+    pub fn router_aux_loss(&self) -> Option<f64> {
+        self.config.moe.and_then(|m| m.router_aux_loss)
+    }
+
+    /// The mixture-of-experts settings, or an error naming `what` needs them.
+    fn moe_config(&self, what: &str) -> Result<MoeConfig, ModelError> {
+        self.config.moe.ok_or_else(|| {
+            ModelError::Config(format!(
+                "{what} needs a mixture-of-experts model; {:?} has none",
+                self.config.architecture
+            ))
+        })
     }
 }

@@ -152,13 +152,15 @@ type Case = (&'static str, bool, bool);
 
 /// Qwen3 (q/k norms), Llama (tied embeddings, three layers: one kept
 /// between two recomputed), GPT-OSS (experts, sinks, a window), packed
-/// rows over four layers, LoRA adapters.
-const CASES: [Case; 5] = [
+/// rows over four layers, LoRA adapters, GPT-OSS with the router's
+/// load-balancing loss (each layer's part joins its backward pass).
+const CASES: [Case; 6] = [
     ("qwen3", false, false),
     ("llama", false, false),
     ("gpt_oss", false, false),
     ("deep_qwen3", true, false),
     ("qwen3", false, true),
+    ("gpt_oss_router_aux", false, false),
 ];
 
 #[test]

@@ -16,9 +16,7 @@
 //! approximate `recip`, which Burn's autodiff takes in the backward pass of
 //! `div` and `log`, put its gradients up to 3e-4 from HF's.)
 
-use std::collections::HashMap;
-
-use crate::common::{fixture, values};
+use crate::common::{fixture, reference, values};
 use bastile::{BastileBackend, CrossEntropyOptions};
 use bastile_cubecl::testing::runtime_selected;
 use bastile_models::{CausalLm, MicroBatch, Trainer};
@@ -28,7 +26,6 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_store::{BurnToPyTorchAdapter, ModuleSnapshot};
-use safetensors::SafeTensors;
 
 /// HF parity bound: relative L2 error of each tensor.
 const TOL: f64 = 1e-4;
@@ -53,34 +50,6 @@ fn assert_matches(what: &str, actual: &[f64], expected: &[f64]) {
             "{what}: element {i} is {a}, expected {e}"
         );
     }
-}
-
-/// The reference tensors: name → (shape, values as f64).
-fn reference(name: &str) -> HashMap<String, (Vec<usize>, Vec<f64>)> {
-    let bytes = std::fs::read(fixture(name).join("reference.safetensors")).expect("fixture");
-    let st = SafeTensors::deserialize(&bytes).expect("valid fixture");
-    st.tensors()
-        .into_iter()
-        .map(|(k, v)| {
-            let data = v.data();
-            let vals: Vec<f64> = match v.dtype() {
-                safetensors::Dtype::F32 => data
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
-                    .collect(),
-                safetensors::Dtype::F64 => data
-                    .chunks_exact(8)
-                    .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
-                    .collect(),
-                safetensors::Dtype::I64 => data
-                    .chunks_exact(8)
-                    .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as f64)
-                    .collect(),
-                other => panic!("unexpected fixture dtype {other:?}"),
-            };
-            (k, (v.shape().to_vec(), vals))
-        })
-        .collect()
 }
 
 /// The gradient of the parameter `id` in HF's layout (`[out, in]` for
@@ -228,6 +197,13 @@ fn llama_with_llama3_rope_tied_and_sharded_matches_hf_transformers() {
 #[test]
 fn gpt_oss_with_experts_sinks_and_windows_matches_hf_transformers() {
     each_backend("gpt_oss", false);
+}
+
+/// GPT-OSS with HF's router load-balancing loss (`output_router_logits`,
+/// coefficient 0.5) in the loss and the router gradients.
+#[test]
+fn gpt_oss_with_the_router_load_balancing_loss_matches_hf_transformers() {
+    each_backend("gpt_oss_router_aux", false);
 }
 
 /// A deeper fixture on every backend, the composite ops on wgpu included,
