@@ -234,3 +234,56 @@ fn errors_are_typed() {
     let e = CausalLm::<B>::from_hf_dir("/nonexistent/bastile", &Default::default()).unwrap_err();
     assert!(matches!(e, ModelError::Io { .. }), "{e:?}");
 }
+
+/// GPT-OSS configs that disagree with themselves or with the expert
+/// weights are descriptive errors: a top-k above the expert count, and an
+/// expert count the checkpoint's expert tensors do not have (each tensor
+/// named with both shapes).
+#[test]
+fn gpt_oss_expert_settings_are_checked() {
+    let dir = scratch("gpt_oss_experts");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("gpt_oss").join(f), dir.join(f)).unwrap();
+    }
+    let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        text.replace("\"num_experts_per_tok\": 2", "\"num_experts_per_tok\": 5"),
+    )
+    .unwrap();
+    let e = load_err(&dir);
+    assert!(
+        e.contains("GPT-OSS needs 1 <= num_experts_per_tok (5) <= num_local_experts (4)"),
+        "{e}"
+    );
+    std::fs::write(
+        dir.join("config.json"),
+        text.replace("\"num_local_experts\": 4", "\"num_local_experts\": 3"),
+    )
+    .unwrap();
+    let e = load_err(&dir);
+    for (tensor, found, expected) in [
+        (
+            "model.layers.0.mlp.experts.gate_up_proj",
+            "[4, 64, 64]",
+            "[3, 64, 64]",
+        ),
+        (
+            "model.layers.1.mlp.experts.down_proj",
+            "[4, 32, 64]",
+            "[3, 32, 64]",
+        ),
+        ("model.layers.1.mlp.router.bias", "[4]", "[3]"),
+    ] {
+        // The tensor's own entry: from its name to the end of its shapes.
+        let at = e
+            .find(&format!("\"{tensor}\""))
+            .unwrap_or_else(|| panic!("{tensor} not named: {e}"));
+        let entry = &e[at..];
+        let entry = &entry[..entry.find("} }").map_or(entry.len(), |end| end + 3)];
+        assert!(
+            entry.contains(found) && entry.contains(expected),
+            "{tensor}: {entry}"
+        );
+    }
+}
