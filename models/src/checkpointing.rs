@@ -169,13 +169,13 @@ where
             _ => None,
         };
         let loss = out.loss / divisor;
-        let mut reported = loss.clone().detach();
-        if let Some(weights) = &aux_weights {
-            for load in &loads {
-                reported = reported + Tensor::from_inner(load.loss_term(weights.clone()));
-            }
-        }
-        out.loss = reported;
+        out.loss = match aux_weights
+            .clone()
+            .and_then(|weights| RouterLoad::loss(&loads, weights))
+        {
+            Some(aux) => loss.clone().detach() + Tensor::from_inner(aux),
+            None => loss.clone().detach(),
+        };
         let mut segment = loss.backward();
         take_grads(&mut segment, &self.model.norm, &mut grads);
         match &self.lm_head {

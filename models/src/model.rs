@@ -413,10 +413,9 @@ impl<B: BastileBackend> CausalLm<B> {
         let mut out = self.head_loss(x, input.shifted, options)?;
         if let Some(scale) = self.router_aux_scale(&out, options)?
             && let Some(weights) = RouterLoad::loss_weights(&loads)
+            && let Some(aux) = RouterLoad::loss(&loads, weights * scale)
         {
-            for load in &loads {
-                out.loss = out.loss + load.loss_term(weights.clone() * scale.clone());
-            }
+            out.loss = out.loss + aux;
         }
         Ok(out)
     }

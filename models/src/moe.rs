@@ -273,6 +273,15 @@ impl<B: Backend> RouterLoad<B> {
     pub fn loss_term(&self, weights: Tensor<B, 1>) -> Tensor<B, 1> {
         (self.probability.clone() * weights).sum()
     }
+
+    /// The loss of every layer's `loads`, `[1]`: the sum of their
+    /// [`RouterLoad::loss_term`]s with `weights`.
+    pub fn loss(loads: &[RouterLoad<B>], weights: Tensor<B, 1>) -> Option<Tensor<B, 1>> {
+        loads
+            .iter()
+            .map(|load| load.loss_term(weights.clone()))
+            .reduce(|a, b| a + b)
+    }
 }
 
 impl<B: AutodiffBackend> RouterLoad<B> {
@@ -298,6 +307,7 @@ impl<B: Backend> crate::CausalLm<B> {
         }
         Ok(self)
     }
+
     /// The model with the router's load-balancing loss added to its loss
     /// with weight `coef` (HF's `output_router_logits` with
     /// `router_aux_loss_coef`), or without it (`None`). The loss counts

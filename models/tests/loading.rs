@@ -20,10 +20,10 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-/// Copies the qwen3 fixture's config and weights into `dir`.
-fn copy_qwen3(dir: &Path) {
+/// Copies fixture `name`'s config and weights into `dir`.
+fn copy_fixture(name: &str, dir: &Path) {
     for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(fixture("qwen3").join(f), dir.join(f)).unwrap();
+        std::fs::copy(fixture(name).join(f), dir.join(f)).unwrap();
     }
 }
 
@@ -136,7 +136,7 @@ fn missing_files_are_named() {
 #[test]
 fn corrupt_header_is_an_error() {
     let dir = scratch("corrupt");
-    copy_qwen3(&dir);
+    copy_fixture("qwen3", &dir);
     let mut bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
     bytes[8..16].copy_from_slice(b"garbage!");
     std::fs::write(dir.join("model.safetensors"), &bytes).unwrap();
@@ -150,7 +150,7 @@ fn corrupt_header_is_an_error() {
 #[test]
 fn unsupported_or_invalid_configs_are_errors() {
     let dir = scratch("config");
-    copy_qwen3(&dir);
+    copy_fixture("qwen3", &dir);
     let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
     std::fs::write(
         dir.join("config.json"),
@@ -175,7 +175,7 @@ fn unsupported_or_invalid_configs_are_errors() {
 #[test]
 fn config_and_weights_disagreeing_name_the_tensor_and_both_shapes() {
     let dir = scratch("shape");
-    copy_qwen3(&dir);
+    copy_fixture("qwen3", &dir);
     let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
     std::fs::write(
         dir.join("config.json"),
@@ -194,7 +194,7 @@ fn config_and_weights_disagreeing_name_the_tensor_and_both_shapes() {
 #[test]
 fn missing_and_unexpected_tensors_are_all_named() {
     let dir = scratch("keys");
-    copy_qwen3(&dir);
+    copy_fixture("qwen3", &dir);
     edit_weights(&dir, |t| {
         t.retain(|(k, _, _)| {
             k != "model.layers.1.self_attn.k_norm.weight" && k != "lm_head.weight"
@@ -242,9 +242,7 @@ fn errors_are_typed() {
 #[test]
 fn gpt_oss_expert_settings_are_checked() {
     let dir = scratch("gpt_oss_experts");
-    for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(fixture("gpt_oss").join(f), dir.join(f)).unwrap();
-    }
+    copy_fixture("gpt_oss", &dir);
     let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
     std::fs::write(
         dir.join("config.json"),
