@@ -32,7 +32,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Bool, Int, Tensor, TensorData};
@@ -384,9 +384,11 @@ enum Share<B: AutodiffBackend> {
 }
 
 impl<B: AutodiffBackend> Share<B> {
-    fn new(m: MicroBatch<B>, device: &B::Device) -> Result<Self, ModelError> {
+    /// `through_host`: the batch must reach the worker as host data even
+    /// on its device (worker 0 trains there too).
+    fn new(m: MicroBatch<B>, device: &B::Device, through_host: bool) -> Result<Self, ModelError> {
         let on = |t: &Tensor<B, 2, Int>| t.device() == *device;
-        if on(&m.ids) && on(&m.labels) && m.positions.as_ref().is_none_or(on) {
+        if !through_host && on(&m.ids) && on(&m.labels) && m.positions.as_ref().is_none_or(on) {
             Ok(Self::Placed(m))
         } else {
             HostBatch::read(m).map(|h| Self::Host(Box::new(h)))
@@ -447,6 +449,9 @@ enum Answer {
 struct Peer<B: AutodiffBackend> {
     rank: usize,
     device: B::Device,
+    /// Whether worker 0 trains on this device too: micro-batches on it
+    /// reach this worker as host data (see [`OwnCopy`] for why).
+    shares_trainer_device: bool,
     commands: Option<Sender<Command<B>>>,
     /// An answer, or why the thread could not give one (a panic).
     answers: Receiver<Result<Answer, String>>,
@@ -540,6 +545,7 @@ where
             peers.push(Peer {
                 rank,
                 device: device.clone(),
+                shares_trainer_device: *device == devices[0],
                 commands: Some(commands),
                 answers,
                 thread: Some(thread),
@@ -574,6 +580,31 @@ where
     }
 }
 
+/// Replaces every float parameter by a copy made on the calling thread
+/// (read back and uploaded: exact, and created on this thread's fusion
+/// stream), keeping whether it requires a gradient.
+///
+/// For a worker on the device the trainer trains on: there `fork` would
+/// hand the worker the model's own buffers, which its stream and the
+/// trainer's would both read and consume, and Burn's fusion streams do not
+/// order one stream's queued reads before another stream's last use of a
+/// tensor.
+struct OwnCopy;
+
+impl<B: Backend> ModuleMapper<B> for OwnCopy {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        param.map(|t| {
+            let require_grad = t.is_require_grad();
+            let copy = Tensor::from_data(t.to_data(), &t.device());
+            if require_grad {
+                copy.require_grad()
+            } else {
+                copy
+            }
+        })
+    }
+}
+
 /// A worker thread: trains its replica on the shares it is sent until the
 /// trainer that started it is dropped, or a command panics.
 fn serve<B>(
@@ -589,7 +620,12 @@ fn serve<B>(
     CausalLm<B>: AutodiffModule<B>,
 {
     let ready = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let model = replica.fork(&device);
+        // On the trainer's device, a copy of its own (see `OwnCopy`).
+        let model = if replica.devices().contains(&device) {
+            replica.map(&mut OwnCopy)
+        } else {
+            replica.fork(&device)
+        };
         B::sync(&device)
             .map(|()| model)
             .map_err(|e| format!("copying the model to {device:?} failed: {e}"))
@@ -675,7 +711,8 @@ impl<B: AutodiffBackend> Peers<B> {
     }
 
     /// Sends each peer its share of a step (`shares[k]` to worker `k + 1`);
-    /// a micro-batch on another device than the peer's is read back first.
+    /// a micro-batch on another device than the peer's, or on worker 0's,
+    /// is read back first.
     pub(crate) fn send_shares(
         &mut self,
         shares: Vec<Vec<MicroBatch<B>>>,
@@ -685,7 +722,7 @@ impl<B: AutodiffBackend> Peers<B> {
             read.push(
                 share
                     .into_iter()
-                    .map(|m| Share::new(m, &peer.device))
+                    .map(|m| Share::new(m, &peer.device, peer.shares_trainer_device))
                     .collect::<Result<Vec<_>, _>>()?,
             );
         }
