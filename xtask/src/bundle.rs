@@ -34,11 +34,12 @@ const GPU_TESTS: &[&str] = &[
 /// their crate and target (`cubecl-main`).
 fn build_executables(args: &[&str]) -> Result<Vec<(String, PathBuf)>, String> {
     let mut cmd = cargo();
-    // `distributed` is CUDA with data-parallel training (NCCL).
+    // `distributed` is CUDA with data-parallel training (NCCL); `autotune`
+    // is Burn's, on as programs (the benchmark among them) run.
     cmd.args(args).args([
         "--no-default-features",
         "--features",
-        "distributed",
+        "distributed,autotune",
         "--message-format=json-render-diagnostics",
     ]);
     let built = cargo_executables(&mut cmd)?;

@@ -88,7 +88,11 @@ impl TestArgs {
     }
 }
 
-/// The cargo arguments selecting the packages and the one runtime.
+/// The cargo arguments selecting the packages and the one runtime. Without
+/// the default features, Burn's own autotuning (`autotune`) stays out: on
+/// the software driver it compiled and timed every candidate kernel of
+/// Burn's for each new shape, about half of each model test's time, and
+/// the tests check values, which Burn's default kernels give as well.
 fn selection(args: &TestArgs) -> Vec<String> {
     let mut out: Vec<String> = if args.packages.is_empty() {
         vec!["--workspace".into()]
