@@ -169,12 +169,13 @@ where
             _ => None,
         };
         let loss = out.loss / divisor;
+        let reported = loss.clone().detach();
         out.loss = match aux_weights
             .clone()
             .and_then(|weights| RouterLoad::loss(&loads, weights))
         {
-            Some(aux) => loss.clone().detach() + Tensor::from_inner(aux),
-            None => loss.clone().detach(),
+            Some(aux) => reported + Tensor::from_inner(aux),
+            None => reported,
         };
         let mut segment = loss.backward();
         take_grads(&mut segment, &self.model.norm, &mut grads);

@@ -535,9 +535,20 @@ where
             };
             let replica = model.clone();
             let on = device.clone();
+            let shares_trainer_device = *device == devices[0];
             let thread = std::thread::Builder::new()
                 .name(format!("bastile-worker-{rank}"))
-                .spawn(move || serve(config, world, replica, on, inbox, outbox))
+                .spawn(move || {
+                    serve(
+                        config,
+                        world,
+                        replica,
+                        on,
+                        shares_trainer_device,
+                        inbox,
+                        outbox,
+                    )
+                })
                 .map_err(|e| ModelError::Worker {
                     worker: rank,
                     message: format!("its thread could not start: {e}"),
@@ -545,7 +556,7 @@ where
             peers.push(Peer {
                 rank,
                 device: device.clone(),
-                shares_trainer_device: *device == devices[0],
+                shares_trainer_device,
                 commands: Some(commands),
                 answers,
                 thread: Some(thread),
@@ -606,12 +617,15 @@ impl<B: Backend> ModuleMapper<B> for OwnCopy {
 }
 
 /// A worker thread: trains its replica on the shares it is sent until the
-/// trainer that started it is dropped, or a command panics.
+/// trainer that started it is dropped, or a command panics. On the
+/// trainer's device (`shares_trainer_device`) the replica is a copy of its
+/// own (see [`OwnCopy`]).
 fn serve<B>(
     config: crate::TrainConfig,
     world: World<B>,
     replica: CausalLm<B>,
     device: B::Device,
+    shares_trainer_device: bool,
     inbox: Receiver<Command<B>>,
     outbox: Sender<Result<Answer, String>>,
 ) where
@@ -620,8 +634,7 @@ fn serve<B>(
     CausalLm<B>: AutodiffModule<B>,
 {
     let ready = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        // On the trainer's device, a copy of its own (see `OwnCopy`).
-        let model = if replica.devices().contains(&device) {
+        let model = if shares_trainer_device {
             replica.map(&mut OwnCopy)
         } else {
             replica.fork(&device)
