@@ -15,6 +15,7 @@ mod lora;
 mod matmul;
 mod model_step;
 mod patches;
+mod reduce;
 mod rms_norm;
 mod rope;
 mod streams;

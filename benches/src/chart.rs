@@ -408,6 +408,8 @@ pub(crate) mod tests {
             peak_mib: ms.map(|_| seq as f64),
             in_use_mib: None,
             first_step_s: None,
+            start_s: None,
+            cold_start_s: None,
             host_ms: None,
             error: error.map(String::from),
             devices: 1,

@@ -24,6 +24,9 @@ mod swiglu;
 mod timing;
 mod train;
 
+use std::sync::LazyLock;
+use std::time::Instant;
+
 use burn::tensor::DType;
 use clap::{Parser, ValueEnum};
 
@@ -200,9 +203,19 @@ pub struct Args {
     /// without measuring anything.
     #[arg(long, num_args = 1.., value_delimiter = ',')]
     pub replot: Vec<std::path::PathBuf>,
+    /// Training: leave out the cold start. By default each Bastile and
+    /// Burn configuration first runs in a process whose caches are empty
+    /// (compiled kernels, the GPU driver's compiled code, autotune
+    /// results) until its first step ends, then is measured in a second
+    /// process on the caches the first one left; both starts are reported.
+    #[arg(long)]
+    pub no_cold_start: bool,
     /// Internal: this process measures one training configuration.
     #[arg(long, hide = true)]
     pub child: bool,
+    /// Internal: the child stops after its first step (a cold start).
+    #[arg(long, hide = true)]
+    pub first_step_only: bool,
 }
 
 impl Args {
@@ -227,7 +240,12 @@ impl Args {
     }
 }
 
+/// When the process started: starts are measured from it (the model's
+/// set-up included).
+pub static PROCESS_START: LazyLock<Instant> = LazyLock::new(Instant::now);
+
 fn main() {
+    LazyLock::force(&PROCESS_START);
     let args = Args::parse();
     if !args.replot.is_empty() {
         std::process::exit(match replot::run(&args) {

@@ -238,10 +238,10 @@ impl Report {
     /// memory in use and reserved, and the host's share of a step.
     fn train_markdown(&self) -> String {
         let mut s = String::from(
-            "\nTraining step (random weights, AdamW, one micro-batch; median of the timed steps; × HF, × Liger, × compile, × burn: tokens/s against HF transformers (its default attention), HF + Liger-Kernel, HF under torch.compile and Burn at the same shape; in use: peak bytes in use during a step (PyTorch's max_memory_allocated; CubeCL's bytes in use, sampled); reserved: the allocator's pool; first step: wall time of step 0, compilation and tuning included; host: time to queue a step):\n\n",
+            "\nTraining step (random weights, AdamW, one micro-batch; median of the timed steps; × HF, × Liger, × compile, × burn: tokens/s against HF transformers (its default attention), HF + Liger-Kernel, HF under torch.compile and Burn at the same shape; in use: peak bytes in use during a step (PyTorch's max_memory_allocated; CubeCL's bytes in use, sampled); reserved: the allocator's pool; first step: wall time of step 0, compilation and tuning included; start: from the process's start to the end of step 0, cold with empty caches (compiled kernels, the driver's, autotune results), warm with the caches a cold run left; host: time to queue a step):\n\n",
         );
-        s += "| model | batch | seq | dtype | implementation | ms/step | tokens/s | × HF | × Liger | × compile | × burn | in use MiB | reserved MiB | first step s | host ms |\n";
-        s += "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+        s += "| model | batch | seq | dtype | implementation | ms/step | tokens/s | × HF | × Liger | × compile | × burn | in use MiB | reserved MiB | first step s | start s, cold / warm | host ms |\n";
+        s += "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
         let mut rows: Vec<&crate::train::TrainRow> = self.train.iter().collect();
         rows.sort_by(|a, b| (&a.model, a.batch, a.seq).cmp(&(&b.model, b.batch, b.seq)));
         for r in rows {
@@ -255,7 +255,7 @@ impl Report {
             };
             let ms = step_ms(r);
             s += &format!(
-                "| {} | {} | {} | {} | {} | {ms} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                "| {} | {} | {} | {} | {} | {ms} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
                 r.model,
                 r.batch,
                 r.seq,
@@ -269,6 +269,7 @@ impl Report {
                 fixed(r.in_use_mib, 0),
                 fixed(r.peak_mib, 0),
                 fixed(r.first_step_s, 1),
+                starts(r),
                 fixed(r.host_ms, 1),
             );
         }
@@ -522,6 +523,15 @@ fn fixed(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(String::new, |v| format!("{v:.digits$}"))
 }
 
+/// A training row's starts: `cold / warm`, or the one it measured.
+fn starts(r: &crate::train::TrainRow) -> String {
+    match (r.cold_start_s, r.start_s) {
+        (Some(cold), Some(warm)) => format!("{cold:.1} / {warm:.1}"),
+        (Some(cold), None) => format!("{cold:.1} / –"),
+        (None, warm) => fixed(warm, 1),
+    }
+}
+
 /// A training row's step time, or for a failed run why it failed.
 fn step_ms(r: &crate::train::TrainRow) -> String {
     r.ms_per_step.map_or_else(
@@ -574,6 +584,18 @@ fn same_run(a: &crate::train::TrainRow, b: &crate::train::TrainRow) -> bool {
 mod tests {
     use super::*;
     use crate::chart::tests::row;
+
+    #[test]
+    fn starts_read_cold_then_warm() {
+        let mut r = crate::chart::tests::row("bastile", 1024, Some(10.0), None);
+        assert_eq!(super::starts(&r), "");
+        r.start_s = Some(1.25);
+        assert_eq!(super::starts(&r), "1.2");
+        r.cold_start_s = Some(17.04);
+        assert_eq!(super::starts(&r), "17.0 / 1.2");
+        r.start_s = None;
+        assert_eq!(super::starts(&r), "17.0 / –");
+    }
 
     #[test]
     fn the_longest_length_of_each_implementation_and_its_failure_are_listed() {

@@ -10,9 +10,10 @@
 //! instead of ending the sweep.
 
 use std::io::{BufRead, BufReader};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bastile::launch_failure::{allocation_failure, out_of_memory_message};
@@ -76,6 +77,16 @@ pub struct TrainRow {
     /// whatever caches the machine held).
     #[serde(default)]
     pub first_step_s: Option<f64>,
+    /// Seconds from the measuring process's start to the end of step 0
+    /// (building the model, compiling and tuning included), with the
+    /// caches an earlier process of the same configuration left (Bastile
+    /// and Burn; with `--no-cold-start`, whatever caches the machine held).
+    #[serde(default)]
+    pub start_s: Option<f64>,
+    /// The same in a process whose caches were empty: compiled kernels,
+    /// the GPU driver's compiled code and autotune results.
+    #[serde(default)]
+    pub cold_start_s: Option<f64>,
     /// Median host time to queue a timed step (Bastile and Burn).
     #[serde(default)]
     pub host_ms: Option<f64>,
@@ -110,6 +121,36 @@ pub struct MemoryBreakdown {
     /// The most in use during the forward and backward pass, over what is
     /// in use between steps (sampled, a lower bound).
     pub pass_peak_mib: f64,
+}
+
+impl TrainRow {
+    /// A row of one configuration with nothing measured.
+    fn unmeasured(
+        model: &str,
+        (batch, seq): (usize, usize),
+        dtype: &str,
+        imp: TrainImpl,
+        devices: usize,
+    ) -> Self {
+        TrainRow {
+            model: model.into(),
+            batch,
+            seq,
+            dtype: dtype.into(),
+            implementation: imp.name().into(),
+            ms_per_step: None,
+            tokens_per_s: None,
+            peak_mib: None,
+            in_use_mib: None,
+            first_step_s: None,
+            start_s: None,
+            cold_start_s: None,
+            host_ms: None,
+            error: None,
+            memory: None,
+            devices,
+        }
+    }
 }
 
 fn one_device() -> usize {
@@ -199,14 +240,19 @@ pub fn sweep(args: &Args, models: &[String], report: &mut Report) {
                     }
                     let task = format!("train {model} batch {batch} seq {seq} {dtype}: {name}");
                     progress::task(&task);
-                    let mut row = child(
-                        &exe,
-                        args,
-                        &task,
+                    let config = Config {
                         model,
-                        (batch, seq),
-                        (imp, layout, devices),
-                    );
+                        batch,
+                        seq,
+                        imp,
+                        layout,
+                        devices,
+                    };
+                    let mut row = if args.no_cold_start {
+                        child(&exe, args, &task, &config, None)
+                    } else {
+                        cold_then_warm(&exe, args, &task, &config)
+                    };
                     row.implementation = name;
                     match (&row.ms_per_step, &row.error) {
                         (Some(ms), _) => progress::log(format!(
@@ -228,31 +274,102 @@ pub fn sweep(args: &Args, models: &[String], report: &mut Report) {
     }
 }
 
+/// One training configuration of a sweep.
+struct Config<'a> {
+    model: &'a str,
+    batch: usize,
+    seq: usize,
+    imp: TrainImpl,
+    layout: DataLayout,
+    devices: usize,
+}
+
+/// Runs `config` first in a process whose caches are empty, up to the end
+/// of its first step (the start a fresh machine sees), then measures it in
+/// a second process on the caches the first one left (the start of every
+/// later run), and deletes them.
+fn cold_then_warm(exe: &Path, args: &Args, task: &str, config: &Config) -> TrainRow {
+    let caches = std::env::temp_dir().join(format!(
+        "bastile-bench-caches-{}-{}",
+        std::process::id(),
+        COLD_RUNS.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&caches);
+    if let Err(e) = std::fs::create_dir_all(&caches) {
+        progress::log(format!(
+            "   no cold start: cannot create {}: {e}",
+            caches.display()
+        ));
+        return child(exe, args, task, config, None);
+    }
+    progress::log("   cold start: empty caches, up to the end of step 0");
+    let cold = child(exe, args, task, config, Some(Caches::empty(&caches)));
+    if let Some(e) = &cold.error {
+        progress::log(format!("   cold start failed: {e}"));
+    }
+    let mut row = child(exe, args, task, config, Some(Caches::kept(&caches)));
+    row.cold_start_s = cold.start_s;
+    let _ = std::fs::remove_dir_all(&caches);
+    row
+}
+
+/// Cold-start runs so far in this process (each gets its own caches).
+static COLD_RUNS: AtomicUsize = AtomicUsize::new(0);
+
+/// Where a child keeps its caches, instead of the machine's.
+struct Caches<'a> {
+    dir: &'a Path,
+    /// Stop after the first step: the cold run measures only the start.
+    first_step_only: bool,
+}
+
+impl<'a> Caches<'a> {
+    fn empty(dir: &'a Path) -> Self {
+        Caches {
+            dir,
+            first_step_only: true,
+        }
+    }
+
+    fn kept(dir: &'a Path) -> Self {
+        Caches {
+            dir,
+            first_step_only: false,
+        }
+    }
+
+    /// Points every cache a run fills into `dir`: Bastile's compiled
+    /// kernels, the CUDA driver's compiled code, and CubeCL's autotune
+    /// results (kept under the working directory's Cargo project, else
+    /// under `XDG_CACHE_HOME`, so the child runs in `dir`).
+    fn apply(&self, cmd: &mut Command) {
+        cmd.current_dir(self.dir)
+            .env(
+                bastile::kernel_cache::KERNEL_CACHE_VAR,
+                self.dir.join("kernels"),
+            )
+            .env("CUDA_CACHE_PATH", self.dir.join("cuda"))
+            .env("XDG_CACHE_HOME", self.dir.join("xdg"));
+        if self.first_step_only {
+            cmd.arg("--first-step-only");
+        }
+    }
+}
+
 /// Runs one configuration in a child process and reads its row; a child
 /// that dies or runs past `--child-timeout` becomes a failed row saying why.
-fn child(
-    exe: &std::path::Path,
-    args: &Args,
-    task: &str,
-    model: &str,
-    (batch, seq): (usize, usize),
-    (imp, layout, devices): (TrainImpl, DataLayout, usize),
-) -> TrainRow {
-    let failed = |error: String| TrainRow {
-        model: model.into(),
+fn child(exe: &Path, args: &Args, task: &str, config: &Config, caches: Option<Caches>) -> TrainRow {
+    let &Config {
+        model,
         batch,
         seq,
-        dtype: args.dtype_name().into(),
-        implementation: imp.name().into(),
-        ms_per_step: None,
-        tokens_per_s: None,
-        peak_mib: None,
-        in_use_mib: None,
-        first_step_s: None,
-        host_ms: None,
-        error: Some(error),
-        memory: None,
+        imp,
+        layout,
         devices,
+    } = config;
+    let failed = |error: String| TrainRow {
+        error: Some(error),
+        ..TrainRow::unmeasured(model, (batch, seq), args.dtype_name(), imp, devices)
     };
     let runtime = args
         .runtime
@@ -270,7 +387,11 @@ fn child(
         .checkpointing
         .map(|n| vec!["--checkpointing".into(), n.to_string()])
         .unwrap_or_default();
-    let spawned = Command::new(exe)
+    let mut cmd = Command::new(exe);
+    if let Some(caches) = &caches {
+        caches.apply(&mut cmd);
+    }
+    let spawned = cmd
         .args(["--runtime", &runtime, "--model", model, "--impl"])
         .arg(imp_name.get_name())
         .args(["--batch", &batch.to_string(), "--seq", &seq.to_string()])
@@ -487,6 +608,7 @@ impl<'a> Run<'a> {
             } else {
                 ExpertRouting::Dense
             },
+            first_step_only: args.first_step_only,
         }
     }
 
@@ -513,6 +635,8 @@ struct Run<'a> {
     lora: Option<usize>,
     checkpointing: Checkpointing,
     expert_routing: ExpertRouting,
+    /// Stop after step 0 and report only the start.
+    first_step_only: bool,
 }
 
 /// Data-parallel training: every worker's device (the first is the
@@ -546,6 +670,7 @@ where
         lora,
         checkpointing,
         expert_routing,
+        first_step_only,
     } = run;
     let config = presets::preset(model).map_err(|e| e.to_string())?;
     let started = Instant::now();
@@ -611,6 +736,7 @@ where
     let mut host = Vec::new();
     let mut tokens = 0;
     let mut first_step = 0.0;
+    let mut start = 0.0;
     let steps = warmup
         .iter()
         .map(|&i| (i, true))
@@ -631,6 +757,21 @@ where
         );
         if n == 0 {
             first_step = secs;
+            start = crate::PROCESS_START.elapsed().as_secs_f64();
+            if first_step_only {
+                eprintln!("step 0 ended {start:.1} s after the process started");
+                return Ok(TrainRow {
+                    first_step_s: Some(first_step),
+                    start_s: Some(start),
+                    ..TrainRow::unmeasured(
+                        model,
+                        (batch, seq),
+                        crate::dtype_name(dtype),
+                        imp,
+                        workers,
+                    )
+                });
+            }
         }
         if !warm {
             times.push(secs);
@@ -680,6 +821,8 @@ where
         peak_mib: Some(usage.bytes_reserved as f64 / MIB),
         in_use_mib: Some(in_use as f64 / MIB),
         first_step_s: Some(first_step),
+        start_s: Some(start),
+        cold_start_s: None,
         host_ms: Some(median(host) * 1e3),
         error: None,
         devices: workers,
@@ -781,6 +924,35 @@ mod tests {
         assert_eq!(sweep_lengths(None, 2048), [1024, 2048]);
         assert_eq!(sweep_lengths(None, 1000), Vec::<usize>::new());
         assert_eq!(sweep_lengths(Some(&[512, 64]), 100), [512, 64]);
+    }
+
+    #[test]
+    fn a_cold_start_keeps_every_cache_in_its_own_directory() {
+        use std::ffi::OsStr;
+        use std::path::Path;
+        let dir = Path::new("/tmp/caches-7");
+        let env = |cmd: &super::Command, name: &str| {
+            cmd.get_envs()
+                .find(|(k, _)| *k == OsStr::new(name))
+                .and_then(|(_, v)| v.map(Path::new))
+                .map(Path::to_path_buf)
+        };
+        for (caches, cold) in [
+            (super::Caches::empty(dir), true),
+            (super::Caches::kept(dir), false),
+        ] {
+            let mut cmd = super::Command::new("bench");
+            caches.apply(&mut cmd);
+            assert_eq!(cmd.get_current_dir(), Some(dir));
+            assert_eq!(
+                env(&cmd, bastile::kernel_cache::KERNEL_CACHE_VAR),
+                Some(dir.join("kernels"))
+            );
+            assert_eq!(env(&cmd, "CUDA_CACHE_PATH"), Some(dir.join("cuda")));
+            assert_eq!(env(&cmd, "XDG_CACHE_HOME"), Some(dir.join("xdg")));
+            let first_step_only = cmd.get_args().any(|a| a == "--first-step-only");
+            assert_eq!(first_step_only, cold);
+        }
     }
 
     #[test]

@@ -35,6 +35,12 @@ pub struct Attention<B: Backend> {
     pub head_dim: usize,
     #[module(skip)]
     pub window: Option<usize>,
+    /// Other layers of the model have a sliding window: this layer, if it
+    /// has none, runs the windowed kernels with a window as long as the
+    /// sequence (which masks nothing), so that the model compiles one
+    /// attention kernel per pass instead of two.
+    #[module(skip)]
+    pub windows_elsewhere: bool,
 }
 
 impl<B: Backend> Attention<B> {
@@ -67,6 +73,7 @@ impl<B: Backend> Attention<B> {
             kv_heads: config.kv_heads,
             head_dim: d,
             window: config.windows[layer],
+            windows_elsewhere: config.windows.iter().any(Option::is_some),
         }
     }
 }
@@ -108,7 +115,9 @@ impl<B: BastileBackend> Attention<B> {
         let options = AttentionOptions {
             scale: None,
             causal: true,
-            window: self.window,
+            window: self
+                .window
+                .or_else(|| self.windows_elsewhere.then_some(s.max(1))),
         };
         let out = attention(
             q.swap_dims(1, 2),

@@ -10,6 +10,7 @@ pub mod gather_rows;
 pub mod geglu;
 pub mod linear_cross_entropy;
 pub mod lora;
+pub mod reduce;
 pub mod rms_norm;
 pub mod rope;
 pub mod swiglu;

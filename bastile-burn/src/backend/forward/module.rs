@@ -7,7 +7,7 @@ use burn::tensor::backend::ExecutionError;
 use burn::tensor::ops::*;
 use burn::tensor::quantization::{QuantScheme, QuantizationParametersPrimitive};
 use burn::tensor::{
-    Device, FloatDType, IntDType, Scalar, Shape, Slice, TensorData, TensorPrimitive,
+    Device, FloatDType, IntDType, Scalar, Shape, Slice, TensorData, TensorMetadata, TensorPrimitive,
 };
 
 use burn_std::BoolDType;
@@ -16,6 +16,7 @@ use super::forward_ops;
 use crate::backend::convert::*;
 use crate::backend::{Bastile, attention, matmul};
 use crate::fused::KernelBackend;
+use crate::ops::reduce::{Reduction, reduce_dim};
 
 impl<B: KernelBackend> ModuleOps<Self> for Bastile<B> {
     fn linear(
@@ -40,6 +41,17 @@ impl<B: KernelBackend> ModuleOps<Self> for Bastile<B> {
         matmul::linear_weight_backward::<B>(x, output_grad)
     }
 
+    /// One reduction over every row, with the fixed-strategy reduction
+    /// kernel (Burn sums one leading dimension at a time, each tuned).
+    fn linear_bias_backward(output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        let shape = output_grad.shape();
+        let out = shape[shape.num_dims() - 1];
+        let rows = shape.num_elements() / out.max(1);
+        let rows = B::float_reshape(output_grad, Shape::new([rows, out]));
+        let summed = reduce_dim::<Self>(rows, Reduction::Sum, 0);
+        B::float_reshape(summed, Shape::new([out]))
+    }
+
     fn attention(
         query: FloatTensor<Self>,
         key: FloatTensor<Self>,
@@ -54,7 +66,6 @@ impl<B: KernelBackend> ModuleOps<Self> for Bastile<B> {
     forward_ops! {
         fn embedding(weights: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self>;
         fn embedding_backward(weights: FloatTensor<Self>, output_grad: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self>;
-        fn linear_bias_backward(output_grad: FloatTensor<Self>) -> FloatTensor<Self>;
         fn conv1d(x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: Option<FloatTensor<Self>>, options: ConvOptions<1>) -> FloatTensor<Self>;
         fn conv1d_x_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvOptions<1>) -> FloatTensor<Self>;
         fn conv1d_weight_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvOptions<1>) -> FloatTensor<Self>;

@@ -13,10 +13,23 @@ use core::ops::Range;
 use super::forward_ops;
 use crate::backend::{Bastile, matmul};
 use crate::fused::KernelBackend;
+use crate::ops::reduce::{Reduction, reduce_dim};
 
 impl<B: KernelBackend> FloatTensorOps<Self> for Bastile<B> {
     fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         matmul::matmul::<B>(lhs, rhs)
+    }
+
+    fn float_sum_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        reduce_dim::<Self>(tensor, Reduction::Sum, dim)
+    }
+
+    fn float_mean_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        reduce_dim::<Self>(tensor, Reduction::Mean, dim)
+    }
+
+    fn float_max_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        reduce_dim::<Self>(tensor, Reduction::Max, dim)
     }
 
     forward_ops! {
@@ -78,11 +91,9 @@ impl<B: KernelBackend> FloatTensorOps<Self> for Bastile<B> {
         fn float_set_require_grad(tensor: FloatTensor<Self>, _require_grad: bool) -> FloatTensor<Self>;
         fn float_is_require_grad(_tensor: &FloatTensor<Self>) -> bool;
         fn float_sum(tensor: FloatTensor<Self>) -> FloatTensor<Self>;
-        fn float_sum_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self>;
         fn float_prod(tensor: FloatTensor<Self>) -> FloatTensor<Self>;
         fn float_prod_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self>;
         fn float_mean(tensor: FloatTensor<Self>) -> FloatTensor<Self>;
-        fn float_mean_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self>;
         fn float_cumsum(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self>;
         fn float_cumprod(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self>;
         fn float_cummin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self>;
@@ -123,7 +134,6 @@ impl<B: KernelBackend> FloatTensorOps<Self> for Bastile<B> {
         fn float_topk(tensor: FloatTensor<Self>, dim: usize, k: usize) -> FloatTensor<Self>;
         fn float_argmin(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self>;
         fn float_max(tensor: FloatTensor<Self>) -> FloatTensor<Self>;
-        fn float_max_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self>;
         fn float_max_dim_with_indices(tensor: FloatTensor<Self>, dim: usize, indices_dtype: IntDType) -> (FloatTensor<Self>, IntTensor<Self>);
         fn float_min(tensor: FloatTensor<Self>) -> FloatTensor<Self>;
         fn float_min_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self>;

@@ -34,6 +34,7 @@ use burn_autodiff::Autodiff;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 
 use crate::fused::{FusedOp, In, KernelBackend, Out, TensorSpec};
+use crate::ops::reduce::{Reduction, reduce_dim_kernel};
 use crate::ops::{check_float, check_same_device, float};
 use crate::patches::Op;
 use crate::{BastileBackend, BastileError};
@@ -355,10 +356,11 @@ impl FusedOp for AttentionBackward {
         let ints = t.key_lengths.into_iter().chain(t.doc_starts).collect();
         let mut g = K::launch(&launch, floats, ints, outputs);
         let sinks = sink_dtype.map(|dtype| {
-            let rows = float::<K, 3>(g.pop().expect("the sink gradient rows"));
-            let heads = rows.dims()[1];
-            rows.sum_dim(0)
-                .sum_dim(2)
+            let rows = g.pop().expect("the sink gradient rows");
+            let heads = rows.shape()[1];
+            let per_head = reduce_dim_kernel::<K>(rows, Reduction::Sum, 0);
+            let per_head = reduce_dim_kernel::<K>(per_head, Reduction::Sum, 2);
+            float::<K, 3>(per_head)
                 .reshape([heads])
                 .cast(dtype)
                 .into_primitive()
