@@ -302,6 +302,11 @@ fn cold_then_warm(exe: &Path, args: &Args, task: &str, config: &Config) -> Train
         ));
         return child(exe, args, task, config, None);
     }
+    // The children run in `caches`: CubeCL's configuration of this
+    // directory (a `cubecl.toml`, e.g. its logging) goes with them.
+    if let Ok(config) = std::fs::read("cubecl.toml") {
+        let _ = std::fs::write(caches.join("cubecl.toml"), config);
+    }
     progress::log("   cold start: empty caches, up to the end of step 0");
     let cold = child(exe, args, task, config, Some(Caches::empty(&caches)));
     if let Some(e) = &cold.error {
