@@ -6,7 +6,7 @@ use burn::tensor::Device;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn_backend::StreamId;
 use burn_fusion::stream::{Operation, OperationStreams};
-use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
+use burn_fusion::{Fusion, FusionBackend, FusionRuntime, FusionTensor};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr, TensorStatus};
 
 use super::{DeviceQuery, Kernel, KernelBackend, TensorSpec};
@@ -16,6 +16,8 @@ struct Recorded<B, K> {
     desc: CustomOpIr,
     /// The first `floats` inputs are float tensors, the rest int tensors.
     floats: usize,
+    /// Whether the outputs are int tensors (else float tensors).
+    int_outputs: bool,
     kernel: K,
     outputs: Vec<TensorSpec>,
     _backend: core::marker::PhantomData<fn() -> B>,
@@ -33,24 +35,36 @@ impl<B: FusionBackend + KernelBackend, K: Kernel> Operation<B::FusionRuntime> fo
         handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
     ) {
         let (floats, ints) = self.desc.inputs.split_at(self.floats);
-        let floats = floats
+        let floats: Vec<FloatTensor<B>> = floats
             .iter()
             .map(|ir| handles.get_float_tensor::<B>(ir))
             .collect();
-        let ints = ints
+        let ints: Vec<IntTensor<B>> = ints
             .iter()
             .map(|ir| handles.get_int_tensor::<B>(ir))
             .collect();
-        let outputs = B::launch(&self.kernel, floats, ints, self.outputs.clone());
+        let ids = self.desc.outputs.iter().map(|ir| &ir.id);
+        let count = if self.int_outputs {
+            let outputs = B::launch_ints(&self.kernel, ints, self.outputs.clone());
+            let count = outputs.len();
+            for (id, out) in ids.zip(outputs) {
+                handles.register_int_tensor::<B>(id, out);
+            }
+            count
+        } else {
+            let outputs = B::launch(&self.kernel, floats, ints, self.outputs.clone());
+            let count = outputs.len();
+            for (id, out) in ids.zip(outputs) {
+                handles.register_float_tensor::<B>(id, out);
+            }
+            count
+        };
         assert_eq!(
-            outputs.len(),
+            count,
             self.desc.outputs.len(),
             "{} returned the wrong number of outputs",
             K::NAME
         );
-        for (ir, out) in self.desc.outputs.iter().zip(outputs) {
-            handles.register_float_tensor::<B>(&ir.id, out);
-        }
     }
 }
 
@@ -65,49 +79,72 @@ impl<B: FusionBackend + KernelBackend> KernelBackend for Fusion<B> {
         ints: Vec<IntTensor<Self>>,
         outputs: Vec<TensorSpec>,
     ) -> Vec<FloatTensor<Self>> {
-        let client = floats
-            .first()
-            .unwrap_or_else(|| panic!("{} has no float input", K::NAME))
-            .client
-            .clone();
-        let streams = OperationStreams::with_inputs(floats.iter().chain(ints.iter()));
-        let output_irs: Vec<TensorIr> = outputs
-            .iter()
-            .map(|o| TensorIr::uninit(client.create_empty_handle(), o.shape.clone(), o.dtype))
-            .collect();
-        let n_floats = floats.len();
-        let current = StreamId::current();
-        let (inputs, from_other_streams): (Vec<TensorIr>, Vec<bool>) = floats
-            .into_iter()
-            .chain(ints)
-            .map(|t| {
-                let elsewhere = t.stream != current;
-                (t.into_ir(), elsewhere)
-            })
-            .unzip();
-        let desc = CustomOpIr::new(K::NAME, &inputs, &output_irs);
-        // The stream marks an input created on another stream read-only in
-        // the operation it queues (other streams may have queued reads of
-        // it; the stream drops it once they ran), but executes the recorded
-        // op, which reads its inputs with the statuses it was given: they
-        // must be the same, or the op takes a handle other streams still
-        // need.
-        let mut recorded = desc.clone();
-        for (input, elsewhere) in recorded.inputs.iter_mut().zip(from_other_streams) {
-            if elsewhere {
-                input.status = TensorStatus::ReadOnly;
-            }
-        }
-        client.register(
-            streams,
-            OperationIr::Custom(desc),
-            Recorded::<B, K> {
-                desc: recorded,
-                floats: n_floats,
-                kernel: kernel.clone(),
-                outputs,
-                _backend: core::marker::PhantomData,
-            },
-        )
+        record::<B, K>(kernel, floats, ints, outputs, false)
     }
+
+    fn launch_ints<K: Kernel>(
+        kernel: &K,
+        ints: Vec<IntTensor<Self>>,
+        outputs: Vec<TensorSpec>,
+    ) -> Vec<IntTensor<Self>> {
+        record::<B, K>(kernel, vec![], ints, outputs, true)
+    }
+}
+
+/// Records `kernel` on the stream of its inputs, returning its outputs
+/// (int tensors when `int_outputs`, else float tensors).
+fn record<B: FusionBackend + KernelBackend, K: Kernel>(
+    kernel: &K,
+    floats: Vec<FusionTensor<B::FusionRuntime>>,
+    ints: Vec<FusionTensor<B::FusionRuntime>>,
+    outputs: Vec<TensorSpec>,
+    int_outputs: bool,
+) -> Vec<FusionTensor<B::FusionRuntime>> {
+    let client = floats
+        .iter()
+        .chain(&ints)
+        .next()
+        .unwrap_or_else(|| panic!("{} has no input", K::NAME))
+        .client
+        .clone();
+    let streams = OperationStreams::with_inputs(floats.iter().chain(ints.iter()));
+    let output_irs: Vec<TensorIr> = outputs
+        .iter()
+        .map(|o| TensorIr::uninit(client.create_empty_handle(), o.shape.clone(), o.dtype))
+        .collect();
+    let n_floats = floats.len();
+    let current = StreamId::current();
+    let (inputs, from_other_streams): (Vec<TensorIr>, Vec<bool>) = floats
+        .into_iter()
+        .chain(ints)
+        .map(|t| {
+            let elsewhere = t.stream != current;
+            (t.into_ir(), elsewhere)
+        })
+        .unzip();
+    let desc = CustomOpIr::new(K::NAME, &inputs, &output_irs);
+    // The stream marks an input created on another stream read-only in
+    // the operation it queues (other streams may have queued reads of
+    // it; the stream drops it once they ran), but executes the recorded
+    // op, which reads its inputs with the statuses it was given: they
+    // must be the same, or the op takes a handle other streams still
+    // need.
+    let mut recorded = desc.clone();
+    for (input, elsewhere) in recorded.inputs.iter_mut().zip(from_other_streams) {
+        if elsewhere {
+            input.status = TensorStatus::ReadOnly;
+        }
+    }
+    client.register(
+        streams,
+        OperationIr::Custom(desc),
+        Recorded::<B, K> {
+            desc: recorded,
+            floats: n_floats,
+            int_outputs,
+            kernel: kernel.clone(),
+            outputs,
+            _backend: core::marker::PhantomData,
+        },
+    )
 }

@@ -97,6 +97,16 @@ pub trait KernelBackend: Backend {
     ) -> Vec<FloatTensor<Self>> {
         unreachable!("{} launched on a backend without kernels", K::NAME)
     }
+
+    /// Launches `kernel` on int tensors only, for the int tensors it
+    /// returns (an int reduction).
+    fn launch_ints<K: Kernel>(
+        _kernel: &K,
+        _ints: Vec<IntTensor<Self>>,
+        _outputs: Vec<TensorSpec>,
+    ) -> Vec<IntTensor<Self>> {
+        unreachable!("{} launched on a backend without kernels", K::NAME)
+    }
 }
 
 impl KernelBackend for NdArray {}
@@ -114,15 +124,30 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KernelBack
         ints: Vec<IntTensor<Self>>,
         outputs: Vec<TensorSpec>,
     ) -> Vec<FloatTensor<Self>> {
-        let out = kernel.launch::<R, F, I, BT>(floats, ints);
-        // The declared outputs are what a fusion stream allocates: a
-        // mismatch would hand later ops a wrong tensor.
-        debug_assert_eq!(
-            out.iter().map(TensorSpec::of).collect::<Vec<_>>(),
-            outputs,
-            "{} returned other outputs than it declared",
-            K::NAME
-        );
-        out
+        checked_outputs::<R, K>(kernel.launch::<R, F, I, BT>(floats, ints), outputs)
     }
+
+    fn launch_ints<K: Kernel>(
+        kernel: &K,
+        ints: Vec<IntTensor<Self>>,
+        outputs: Vec<TensorSpec>,
+    ) -> Vec<IntTensor<Self>> {
+        checked_outputs::<R, K>(kernel.launch::<R, F, I, BT>(vec![], ints), outputs)
+    }
+}
+
+/// A kernel's outputs, checked (in debug builds) against the shapes and
+/// dtypes it declared: those are what a fusion stream allocates, and a
+/// mismatch would hand later ops a wrong tensor.
+fn checked_outputs<R: CubeRuntime, K: Kernel>(
+    out: Vec<CubeTensor<R>>,
+    declared: Vec<TensorSpec>,
+) -> Vec<CubeTensor<R>> {
+    debug_assert_eq!(
+        out.iter().map(TensorSpec::of).collect::<Vec<_>>(),
+        declared,
+        "{} returned other outputs than it declared",
+        K::NAME
+    );
+    out
 }

@@ -24,9 +24,14 @@ use cross_entropy::LossSpec;
 
 pub use crate::fused::{BastileBackend, KernelBackend};
 
-/// Per-token losses reduced as `spec` says (`Mean` / `Sum`: scaled sum).
-pub(crate) fn reduce_rows<B: Backend>(rows: FloatTensor<B>, spec: &LossSpec) -> FloatTensor<B> {
-    cross_entropy::reduce(float::<B, 1>(rows), spec)
+/// Per-token losses reduced as `spec` says (`Mean` / `Sum`: scaled sum),
+/// in the kernel paths of the losses: on `Bastile<K>`, whose sum has a
+/// fixed strategy (`K`'s own would tune it).
+pub(crate) fn reduce_rows<K: KernelBackend>(
+    rows: FloatTensor<K>,
+    spec: &LossSpec,
+) -> FloatTensor<K> {
+    cross_entropy::reduce(float::<crate::Bastile<K>, 1>(rows), spec)
         .into_primitive()
         .tensor()
 }

@@ -13,7 +13,7 @@ use core::ops::Range;
 use super::forward_ops;
 use crate::backend::{Bastile, matmul};
 use crate::fused::KernelBackend;
-use crate::ops::reduce::{Reduction, reduce_dim};
+use crate::ops::reduce::{Reduction, int_reduce_all, int_reduce_dim, reduce_all, reduce_dim};
 
 impl<B: KernelBackend> FloatTensorOps<Self> for Bastile<B> {
     fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -30,6 +30,26 @@ impl<B: KernelBackend> FloatTensorOps<Self> for Bastile<B> {
 
     fn float_max_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         reduce_dim::<Self>(tensor, Reduction::Max, dim)
+    }
+
+    fn float_sum(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        reduce_all::<B>(tensor, Reduction::Sum)
+    }
+
+    fn float_mean(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        reduce_all::<B>(tensor, Reduction::Mean)
+    }
+
+    fn float_max(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        reduce_all::<B>(tensor, Reduction::Max)
+    }
+
+    fn float_min_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        reduce_dim::<Self>(tensor, Reduction::Min, dim)
+    }
+
+    fn float_min(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        reduce_all::<B>(tensor, Reduction::Min)
     }
 
     forward_ops! {
@@ -90,10 +110,8 @@ impl<B: KernelBackend> FloatTensorOps<Self> for Bastile<B> {
         fn float_detach(tensor: FloatTensor<Self>) -> FloatTensor<Self>;
         fn float_set_require_grad(tensor: FloatTensor<Self>, _require_grad: bool) -> FloatTensor<Self>;
         fn float_is_require_grad(_tensor: &FloatTensor<Self>) -> bool;
-        fn float_sum(tensor: FloatTensor<Self>) -> FloatTensor<Self>;
         fn float_prod(tensor: FloatTensor<Self>) -> FloatTensor<Self>;
         fn float_prod_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self>;
-        fn float_mean(tensor: FloatTensor<Self>) -> FloatTensor<Self>;
         fn float_cumsum(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self>;
         fn float_cumprod(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self>;
         fn float_cummin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self>;
@@ -133,10 +151,7 @@ impl<B: KernelBackend> FloatTensorOps<Self> for Bastile<B> {
         fn float_argtopk(tensor: FloatTensor<Self>, dim: usize, k: usize, out_dtype: IntDType) -> IntTensor<Self>;
         fn float_topk(tensor: FloatTensor<Self>, dim: usize, k: usize) -> FloatTensor<Self>;
         fn float_argmin(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self>;
-        fn float_max(tensor: FloatTensor<Self>) -> FloatTensor<Self>;
         fn float_max_dim_with_indices(tensor: FloatTensor<Self>, dim: usize, indices_dtype: IntDType) -> (FloatTensor<Self>, IntTensor<Self>);
-        fn float_min(tensor: FloatTensor<Self>) -> FloatTensor<Self>;
-        fn float_min_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self>;
         fn float_min_dim_with_indices(tensor: FloatTensor<Self>, dim: usize, indices_dtype: IntDType) -> (FloatTensor<Self>, IntTensor<Self>);
         fn float_max_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self>;
         fn float_max_abs_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self>;
@@ -157,6 +172,30 @@ impl<B: KernelBackend> FloatTensorOps<Self> for Bastile<B> {
 }
 
 impl<B: KernelBackend> IntTensorOps<Self> for Bastile<B> {
+    fn int_sum(tensor: IntTensor<Self>) -> IntTensor<Self> {
+        int_reduce_all::<B>(tensor, Reduction::Sum)
+    }
+
+    fn int_sum_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
+        int_reduce_dim::<B>(tensor, Reduction::Sum, dim)
+    }
+
+    fn int_max(tensor: IntTensor<Self>) -> IntTensor<Self> {
+        int_reduce_all::<B>(tensor, Reduction::Max)
+    }
+
+    fn int_max_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
+        int_reduce_dim::<B>(tensor, Reduction::Max, dim)
+    }
+
+    fn int_min(tensor: IntTensor<Self>) -> IntTensor<Self> {
+        int_reduce_all::<B>(tensor, Reduction::Min)
+    }
+
+    fn int_min_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
+        int_reduce_dim::<B>(tensor, Reduction::Min, dim)
+    }
+
     forward_ops! {
         fn int_empty(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self>;
         fn int_into_data(tensor: IntTensor<Self>) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send;
@@ -210,8 +249,6 @@ impl<B: KernelBackend> IntTensorOps<Self> for Bastile<B> {
         fn int_zeros(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self>;
         fn int_ones(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self>;
         fn int_full(shape: Shape, fill_value: Scalar, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self>;
-        fn int_sum(tensor: IntTensor<Self>) -> IntTensor<Self>;
-        fn int_sum_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self>;
         fn int_prod(tensor: IntTensor<Self>) -> IntTensor<Self>;
         fn int_prod_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self>;
         fn int_mean(tensor: IntTensor<Self>) -> IntTensor<Self>;
@@ -224,13 +261,9 @@ impl<B: KernelBackend> IntTensorOps<Self> for Bastile<B> {
         fn int_argtopk(tensor: IntTensor<Self>, dim: usize, k: usize) -> IntTensor<Self>;
         fn int_topk(tensor: IntTensor<Self>, dim: usize, k: usize) -> IntTensor<Self>;
         fn int_argmin(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self>;
-        fn int_max(tensor: IntTensor<Self>) -> IntTensor<Self>;
-        fn int_max_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self>;
         fn int_max_dim_with_indices(tensor: IntTensor<Self>, dim: usize) -> (IntTensor<Self>, IntTensor<Self>);
         fn int_max_abs(tensor: IntTensor<Self>) -> IntTensor<Self>;
         fn int_max_abs_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self>;
-        fn int_min(tensor: IntTensor<Self>) -> IntTensor<Self>;
-        fn int_min_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self>;
         fn int_min_dim_with_indices(tensor: IntTensor<Self>, dim: usize) -> (IntTensor<Self>, IntTensor<Self>);
         fn int_abs(tensor: IntTensor<Self>) -> IntTensor<Self>;
         fn int_transpose(tensor: IntTensor<Self>) -> IntTensor<Self>;

@@ -13,14 +13,19 @@ use cubek::reduce::routines::cube::CubeStrategy;
 use cubek::reduce::routines::plane::PlaneStrategy;
 use cubek::reduce::routines::unit::UnitStrategy;
 
-use super::{ReduceDim, Reduction};
+use super::{IntReduceDim, ReduceDim, Reduction};
 use crate::fused::cube::empty_like;
 use crate::fused::{kernel, unpack};
 use crate::launch_failure::failed;
 
 kernel!(ReduceDim, "bastile_reduce_dim", |op, floats, _| {
     let [x] = unpack(floats);
-    vec![reduce(x, op)]
+    vec![reduce(x, op.reduction, op.dim)]
+});
+
+kernel!(IntReduceDim, "bastile_int_reduce_dim", |op, _, ints| {
+    let [x] = unpack(ints);
+    vec![reduce(x, op.reduction, op.dim)]
 });
 
 /// Reductions this short run one unit per output; longer ones one plane
@@ -55,28 +60,31 @@ pub(crate) fn strategy(length: usize, outputs: usize) -> ReduceStrategy {
     }
 }
 
-fn reduce<R: CubeRuntime>(x: CubeTensor<R>, op: &ReduceDim) -> CubeTensor<R> {
+/// `x` (floats or ints) reduced over `dim` with the strategy for its
+/// shape.
+fn reduce<R: CubeRuntime>(x: CubeTensor<R>, reduction: Reduction, dim: usize) -> CubeTensor<R> {
     let shape = x.shape();
-    let length = shape[op.dim];
+    let length = shape[dim];
     let outputs = shape.num_elements() / length.max(1);
-    let config = match op.reduction {
+    let config = match reduction {
         Reduction::Sum => ReduceOperationConfig::Sum,
         Reduction::Mean => ReduceOperationConfig::Mean,
         Reduction::Max => ReduceOperationConfig::Max,
+        Reduction::Min => ReduceOperationConfig::Min,
     };
     let chosen = KernelReduceStrategy::Specific(strategy(length, outputs));
-    match reduce_dim::<R>(x.clone(), None, op.dim, chosen, config) {
+    match reduce_dim::<R>(x.clone(), None, dim, chosen, config) {
         Ok(y) => y,
         // A device without planes (or too small for the strategy's cube)
         // takes one unit per output, which every device runs.
         Err(_) => {
             let unit = KernelReduceStrategy::Specific(strategy(0, outputs));
-            match reduce_dim::<R>(x.clone(), None, op.dim, unit, config) {
+            match reduce_dim::<R>(x.clone(), None, dim, unit, config) {
                 Ok(y) => y,
                 Err(e) => {
                     failed("reduction", e);
                     let mut dims = shape.to_vec();
-                    dims[op.dim] = 1;
+                    dims[dim] = 1;
                     empty_like(&x, dims.into(), x.dtype)
                 }
             }
