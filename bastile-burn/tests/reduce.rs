@@ -1,10 +1,11 @@
-//! Sums, means and maxima along one dimension on `Bastile<B>` (its
+//! Sums, means, maxima and minima along one dimension on `Bastile<B>` (its
 //! fixed-strategy reduction kernels) against the f64 reference, over the
 //! three launch routines (a unit, a plane or a cube per output), reduced
 //! dimensions that are contiguous, outermost and in the middle, and odd
 //! sizes; a linear layer's bias gradient, one such sum over every row;
-//! whole-tensor sums, means and maxima on both sides of the size where the
-//! backend's own op takes over; and sums of ints, which must be exact.
+//! whole-tensor sums, means, maxima and minima in one launch, in two and
+//! through the backend's own op; and sums, maxima and minima of ints,
+//! which must be exact.
 
 use crate::common::*;
 use bastile::Bastile;
