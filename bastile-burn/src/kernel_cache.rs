@@ -90,31 +90,46 @@ pub fn use_kernel_cache() -> KernelCache {
     KernelCache::On(dir)
 }
 
+/// The directory of CubeCL's compilation cache when it is on in this
+/// process (turned on by [`use_kernel_cache`] or by CubeCL's own
+/// configuration); `None` when it is off or CubeCL's configuration has not
+/// been read yet.
+pub fn kernel_cache_active() -> Option<PathBuf> {
+    let stored = CubeClRuntimeConfig::storage().lock().clone()?;
+    stored.compilation.cache.as_ref().map(CacheConfig::root)
+}
+
 /// Whether CubeCL can keep its cache in `dir`: the directory can be
 /// created and written, and every file already in it opens for reading
 /// and appending (CubeCL stops the program when one does not; entries it
-/// cannot decode it skips with a warning).
+/// cannot decode it skips with a warning). Other processes may use the
+/// cache meanwhile: a file that is gone by the time it is opened (their
+/// lock files, their own probes) is no obstacle.
 fn check_usable(dir: &Path) -> Result<(), String> {
     fs::create_dir_all(dir).map_err(|e| format!("cannot create it: {e}"))?;
     let probe = dir.join(format!(".bastile-probe-{}", std::process::id()));
     fs::write(&probe, b"probe").map_err(|e| format!("cannot write in it: {e}"))?;
     let _ = fs::remove_file(&probe);
+    let gone = |e: &std::io::Error| e.kind() == std::io::ErrorKind::NotFound;
     let mut pending = vec![dir.to_path_buf()];
     while let Some(next) = pending.pop() {
-        let entries =
-            fs::read_dir(&next).map_err(|e| format!("cannot list {}: {e}", next.display()))?;
+        let entries = match fs::read_dir(&next) {
+            Err(e) if gone(&e) => continue,
+            listed => listed.map_err(|e| format!("cannot list {}: {e}", next.display()))?,
+        };
         for entry in entries {
             let path = entry
                 .map_err(|e| format!("cannot list {}: {e}", next.display()))?
                 .path();
             if path.is_dir() {
                 pending.push(path);
-            } else {
-                OpenOptions::new()
-                    .read(true)
-                    .append(true)
-                    .open(&path)
-                    .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+                continue;
+            }
+            match OpenOptions::new().read(true).append(true).open(&path) {
+                // Gone, unless a link to nothing is still there.
+                Err(e) if gone(&e) && fs::symlink_metadata(&path).is_err() => {}
+                Err(e) => return Err(format!("cannot open {}: {e}", path.display())),
+                Ok(_) => {}
             }
         }
     }
@@ -188,5 +203,31 @@ mod tests {
         let why = check_usable(&broken).unwrap_err();
         assert!(why.contains("chunk0.cbor"), "{why}");
         let _ = fs::remove_dir_all(&base);
+    }
+
+    #[test]
+    fn files_other_processes_remove_meanwhile_are_no_obstacle() {
+        let dir = std::env::temp_dir().join(format!("bastile-cache-race-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(dir.join("cuda")).unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        // Another process's lock files and probes, created and removed.
+        let churn = {
+            let (dir, stop) = (dir.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut i = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let lock = dir.join("cuda").join(format!("toc.lock{}", i % 4));
+                    let _ = fs::write(&lock, b"x");
+                    let _ = fs::remove_file(&lock);
+                    i += 1;
+                }
+            })
+        };
+        let results: Vec<_> = (0..300).map(|_| check_usable(&dir)).collect();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        churn.join().unwrap();
+        let _ = fs::remove_dir_all(&dir);
+        assert!(results.iter().all(Result::is_ok), "{results:?}");
     }
 }

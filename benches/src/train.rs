@@ -19,8 +19,10 @@ use std::time::{Duration, Instant};
 use bastile::launch_failure::{allocation_failure, out_of_memory_message};
 use bastile::{Bastile, BastileBackend, Patches};
 use bastile_cli::warmup::random_batch;
+use bastile_models::precompile::{self, Part, Precompile};
 use bastile_models::{
-    CausalLm, Checkpointing, ExpertRouting, LoraConfig, MicroBatch, TrainConfig, Trainer, presets,
+    CausalLm, Checkpointing, ExpertRouting, HfConfig, LoraConfig, MicroBatch, TrainConfig, Trainer,
+    presets,
 };
 use burn::backend::Autodiff;
 use burn::tensor::DType;
@@ -614,6 +616,7 @@ impl<'a> Run<'a> {
                 ExpertRouting::Dense
             },
             first_step_only: args.first_step_only,
+            precompile: imp != TrainImpl::Burn && args.runtime == Some(crate::Runtime::Cuda),
         }
     }
 
@@ -642,6 +645,10 @@ struct Run<'a> {
     expert_routing: ExpertRouting,
     /// Stop after step 0 and report only the start.
     first_step_only: bool,
+    /// Compile the step's kernels in worker processes on a fresh machine
+    /// (Bastile's kernels on CUDA, where the kernel cache lets the
+    /// measuring process load what they compiled).
+    precompile: bool,
 }
 
 /// Data-parallel training: every worker's device (the first is the
@@ -676,22 +683,62 @@ where
         checkpointing,
         expert_routing,
         first_step_only,
+        ..
     } = run;
     let config = presets::preset(model).map_err(|e| e.to_string())?;
     let started = Instant::now();
-    let mut lm = CausalLm::<A>::init(&config, device)
-        .and_then(|m| m.with_dtype(dtype))
-        .and_then(|m| match lora {
-            Some(rank) => m.with_lora(LoraConfig::new(rank).with_alpha(2.0 * rank as f64), device),
-            None => Ok(m),
+    let build = |config: &HfConfig| {
+        CausalLm::<A>::init(config, device)
+            .and_then(|m| m.with_dtype(dtype))
+            .and_then(|m| match lora {
+                Some(rank) => {
+                    m.with_lora(LoraConfig::new(rank).with_alpha(2.0 * rank as f64), device)
+                }
+                None => Ok(m),
+            })
+            .and_then(|m| m.with_checkpointing(checkpointing))
+            .and_then(|m| match expert_routing {
+                ExpertRouting::Dense => Ok(m),
+                routed => m.with_expert_routing(routed),
+            })
+            .map_err(|e| e.to_string())
+    };
+    let train = TrainConfig {
+        learning_rate: 1e-5,
+        ..TrainConfig::default()
+    };
+    let vocab = config.vocab_size;
+    if let Some(part) = precompile::worker_part().map_err(|e| e.to_string())? {
+        let batch = match layout {
+            DataLayout::Full => precompile::plain_batch(batch, seq, device),
+            _ => {
+                let (first, _) = micro_batches(layout, batch, seq, vocab, 1, device).swap_remove(0);
+                precompile::worker_batch(&first)
+            }
+        };
+        let build = |c: &HfConfig| build(c).map_err(bastile_models::ModelError::Config);
+        precompile::run_part(part, &config, dtype, build, batch, train)
+            .map_err(|e| e.to_string())?;
+        std::process::exit(0);
+    }
+    // A fresh machine compiles the step's kernels in worker processes
+    // beside this one (one device only: data-parallel runs start theirs
+    // on every device).
+    let mut workers_started = (run.precompile && parallel.is_none())
+        .then(|| {
+            let what = format!(
+                "{model} {batch}x{seq} {dtype:?} {} {} lora {lora:?} {checkpointing} {expert_routing:?}",
+                imp.name(),
+                layout.name()
+            );
+            Precompile::spawn(&Part::ALL, &what)
         })
-        .and_then(|m| m.with_checkpointing(checkpointing))
-        .and_then(|m| match expert_routing {
-            ExpertRouting::Dense => Ok(m),
-            routed => m.with_expert_routing(routed),
-        })
-        .map_err(|e| e.to_string())?;
-    let vocab = lm.config.vocab_size;
+        .flatten();
+    if let Some(w) = &workers_started {
+        let parts: Vec<&str> = w.parts().iter().map(|p| p.name()).collect();
+        eprintln!("compiling kernels in workers: {}", parts.join(", "));
+    }
+    let mut lm = build(&config)?;
     let timed_steps = steps.max(1);
     let devices = parallel
         .as_ref()
@@ -725,11 +772,7 @@ where
             warmup.push(i);
         }
     }
-    let mut trainer = Trainer::<A>::new(TrainConfig {
-        learning_rate: 1e-5,
-        ..TrainConfig::default()
-    })
-    .map_err(|e| e.to_string())?;
+    let mut trainer = Trainer::<A>::new(train).map_err(|e| e.to_string())?;
     if let Some((devices, collective, options)) = parallel {
         trainer = trainer
             .data_parallel(&lm, &devices, collective, options)
@@ -763,6 +806,16 @@ where
         if n == 0 {
             first_step = secs;
             start = crate::PROCESS_START.elapsed().as_secs_f64();
+            if let Some(w) = workers_started.take() {
+                let report = w.finish();
+                eprintln!(
+                    "kernel workers: {} done, {} stopped, {} failed {:?}",
+                    report.done.len(),
+                    report.stopped.len(),
+                    report.failed.len(),
+                    report.failed
+                );
+            }
             if first_step_only {
                 eprintln!("step 0 ended {start:.1} s after the process started");
                 return Ok(TrainRow {

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use bastile::BastileBackend;
 use bastile::launch_failure::out_of_memory;
+use bastile_models::precompile::{self, Part, Precompile};
 use bastile_models::{
     CausalLm, Checkpointing, Collective, DataParallelOptions, ExpertRouting, LoraConfig,
     MicroBatch, ModelError, OptimizerKind, TrainConfig, Trainer,
@@ -209,10 +210,33 @@ impl Finetune {
         };
         let tokenizer = source.tokenizer(o.tokenizer.as_deref())?;
         B::seed(&device, o.seed);
+        // A worker compiles a part of the step on a model of the same
+        // config with random weights (the kernels do not depend on them).
+        let worker = precompile::worker_part()?;
+        // On a machine that has not run this model before, workers compile
+        // the step's kernels while the weights load and the first step runs.
+        let mut workers = (worker.is_none()
+            && info.bastile
+            && info.device == DeviceKind::Cuda
+            && o.devices == 1
+            && resumed.is_none())
+        .then(|| {
+            // What the run trains is in its arguments.
+            let args: Vec<String> = std::env::args().skip(1).collect();
+            Precompile::spawn(&Part::ALL, &args.join(" "))
+        })
+        .flatten();
         let loading = Instant::now();
-        let model = source.load::<B>(&device)?;
+        let model = match worker {
+            Some(part) => {
+                CausalLm::<B>::init(&precompile::worker_config(&source.config()?, part), &device)?
+            }
+            None => source.load::<B>(&device)?,
+        };
         let weights_seconds = loading.elapsed().as_secs_f64();
-        tokenizer.check_fits(model.config.vocab_size)?;
+        if worker.is_none() {
+            tokenizer.check_fits(model.config.vocab_size)?;
+        }
         let format = o
             .chat_format
             .unwrap_or_else(|| ChatFormat::for_model(model.config.architecture, &tokenizer));
@@ -265,7 +289,12 @@ impl Finetune {
             (None, None) => Vec::new(),
         };
         let dtype = o.dtype.resolve(&info)?;
-        let model = model.with_dtype(dtype)?;
+        // The attention parts of a worker touch no weight of the model,
+        // which then stays uninitialized.
+        let model = match worker {
+            Some(part) if !part.builds_model() => model,
+            _ => model.with_dtype(dtype)?,
+        };
         let model = match (&o.lora, model.lora_config()) {
             (Some(config), None) => {
                 let base = source.name();
@@ -432,6 +461,18 @@ impl Finetune {
             pad_id,
             multiple,
         };
+        if let Some(part) = worker {
+            let mut order = sampler.peekable();
+            let (batch, _) = batcher
+                .next(&mut order, &set.examples)
+                .expect("the sampler never ends");
+            let batch = precompile::worker_batch(&batch.to_device(&device));
+            let config = source.config()?;
+            let train = trainer.config.clone();
+            // The model is the worker's already (`worker_config`).
+            precompile::run_part(part, &config, dtype, |_| Ok(model), batch, train)?;
+            std::process::exit(0);
+        }
         let mut eval_order = (0..eval_examples.len()).peekable();
         let eval_batches: Vec<MicroBatch<B>> =
             std::iter::from_fn(|| batcher.next(&mut eval_order, &eval_examples))
@@ -446,9 +487,16 @@ impl Finetune {
             // The first step compiles every kernel it meets: tens of seconds
             // on a machine that has not run this model before (minutes with
             // BASTILE_TUNE=full), without a sign of life unless said so.
-            let note = "the first step compiles the kernels (tens of seconds the first time on \
-                        a machine, about a second once cached; `bastile warmup` compiles them \
-                        ahead)";
+            let mut note = "the first step compiles the kernels (tens of seconds the first time \
+                            on a machine, about a second once cached; `bastile warmup` compiles \
+                            them ahead)"
+                .to_string();
+            if let Some(w) = &workers {
+                note += &format!(
+                    "; {} worker processes compile parts of it beside this one",
+                    w.parts().len()
+                );
+            }
             if o.progress {
                 bar.set_message(note);
                 bar.enable_steady_tick(Duration::from_millis(500));
@@ -490,6 +538,8 @@ impl Finetune {
             }
             let (m, out) = stepped.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
             model = m;
+            // Every kernel of the step is compiled (and cached) by now.
+            drop(workers.take().map(Precompile::finish));
             let out = match out {
                 Err(e @ ModelError::NonFinite { .. })
                     if o.skip_nonfinite && skipped_in_a_row < MAX_SKIPPED_IN_A_ROW =>

@@ -105,11 +105,43 @@ impl<B: BastileBackend> Attention<B> {
             q = qn.try_forward(q)?;
             k = kn.try_forward(k)?;
         }
+        let sinks = self.sinks.as_ref().map(|s| s.val());
+        let out = self.attend(q, k, v, sinks, tables, positions)?;
+        project(&self.o_proj, adapter(|a| &a.o_proj), out)
+    }
+
+    /// RoPE and attention of projected (and normed) `q`
+    /// `[batch, seq, heads, head_dim]`, `k` and `v`
+    /// `[batch, seq, kv_heads, head_dim]`, with the layer's `sinks`
+    /// (`[heads]`): `[batch, seq, heads · head_dim]`, the output
+    /// projection's input.
+    pub fn attend(
+        &self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        sinks: Option<Tensor<B, 1>>,
+        tables: &RopeTables<B>,
+        positions: Option<&Tensor<B, 2, Int>>,
+    ) -> Result<Tensor<B, 3>, ModelError> {
         let options = RopeOptions {
             layout: RopeLayout::Bshd,
             ..Default::default()
         };
         let (q, k) = rope(q, k, tables, options)?;
+        self.attend_rotated(q, k, v, sinks, positions)
+    }
+
+    /// [`Attention::attend`] of `q` and `k` that RoPE has rotated already.
+    pub fn attend_rotated(
+        &self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        sinks: Option<Tensor<B, 1>>,
+        positions: Option<&Tensor<B, 2, Int>>,
+    ) -> Result<Tensor<B, 3>, ModelError> {
+        let [b, s, nh, d] = q.dims();
         // Heads-major views of the projections, read in place; GQA, the
         // causal mask, the window and the sinks are the attention op's.
         let options = AttentionOptions {
@@ -123,15 +155,11 @@ impl<B: BastileBackend> Attention<B> {
             q.swap_dims(1, 2),
             k.swap_dims(1, 2),
             v.swap_dims(1, 2),
-            self.sinks.as_ref().map(|s| s.val()),
+            sinks,
             None,
             positions.cloned(),
             options,
         )?;
-        project(
-            &self.o_proj,
-            adapter(|a| &a.o_proj),
-            out.swap_dims(1, 2).reshape([b, s, nh * d]),
-        )
+        Ok(out.swap_dims(1, 2).reshape([b, s, nh * d]))
     }
 }

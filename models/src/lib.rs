@@ -16,6 +16,7 @@ pub mod mlp;
 pub mod model;
 pub mod moe;
 pub mod parallel;
+pub mod precompile;
 pub mod presets;
 pub mod train;
 

@@ -10,4 +10,5 @@ mod lora;
 mod moe;
 mod packing;
 mod parallel;
+mod precompile;
 mod training;
