@@ -8,21 +8,22 @@
 //! the part; each such worker runs only its part (the attention's
 //! forward, its backward, the MLP, or a whole step of a model without
 //! layers) for a one-layer model of the same architecture and sizes
-//! ([`worker_config`]) on short rows, and exits. Their kernels reach the training process through CubeCL's
-//! persistent compilation cache (see [`bastile::kernel_cache`]), which
-//! that process reads again whenever it adds a kernel of its own: a
-//! kernel a worker compiled before the step needs it loads from disk
-//! instead of being compiled there. A kernel a worker has not compiled
-//! yet is compiled by the training process as before, so the workers
-//! never change what is computed, only when kernels get compiled.
+//! ([`worker_config`]) on short rows, and exits. Their kernels reach the
+//! training process through CubeCL's persistent compilation cache (see
+//! [`bastile::kernel_cache`]), which that process reads again whenever it
+//! adds a kernel of its own: a kernel a worker compiled before the step
+//! needs it loads from disk instead of being compiled there. A kernel a
+//! worker has not compiled yet is compiled by the training process as
+//! before, so the workers never change what is computed, only where
+//! kernels get compiled.
 //!
 //! A program that spawns workers must, before it builds its model, ask
 //! [`worker_part`] whether it is one and then run [`run_part`] instead of
 //! training (the benchmark's training child and the `bastile` command do).
 //! Workers start only with the kernel cache on, never from a worker, not
-//! when `BASTILE_PRECOMPILE=0`, and not again for a program and arguments
-//! whose first step already ended with this cache (a marker file in the
-//! cache records it).
+//! when `BASTILE_PRECOMPILE=0`, and not again for a build of the program
+//! whose first step of the same run already ended with this cache (a
+//! marker file in the cache records it).
 //!
 //! The workers share the GPU with the training process until its first
 //! step ends ([`Precompile::finish`] stops the ones still running): a
@@ -74,10 +75,11 @@ const SMALL_INTERMEDIATE: usize = 64;
 /// What one worker runs of a training step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Part {
-    /// The first layer's attention block, forward only (under autodiff,
-    /// as in training).
+    /// The first layer's RoPE and attention, forward only (the attention
+    /// first: its kernel takes longest to compile and the step needs it
+    /// early).
     AttentionForward,
-    /// The first layer's attention block, forward and backward.
+    /// The first layer's RoPE and attention, forward and backward.
     AttentionBackward,
     /// The first layer's MLP (or experts), forward and backward.
     Mlp,
@@ -186,10 +188,10 @@ pub fn worker_batch<B: AutodiffBackend>(batch: &MicroBatch<B>) -> MicroBatch<B> 
 }
 
 /// Runs `part` of a training step on `batch` ([`plain_batch`] or
-/// [`worker_batch`]) and waits
-/// for the device to finish it. `build` makes a model of a config as the
-/// training process makes its own (dtype, adapters, expert routing), for
-/// the parts that run its weights: the MLP and the step. The attention
+/// [`worker_batch`]) and waits for the device to finish it. `build` makes
+/// a model of a config as the training process makes its own (dtype,
+/// adapters, expert routing), for the parts that run its weights: the MLP
+/// and the step (whose ids are clamped into [`WORKER_VOCAB`]). The attention
 /// parts run the first layer's RoPE and attention ([`Attention::attend`])
 /// on uninitialized `dtype` projections instead, so they start without
 /// initializing a model; their output goes through a product with a
@@ -303,9 +305,9 @@ pub struct PrecompileReport {
 impl Precompile {
     /// Starts one worker per part of `parts`: this program
     /// (`std::env::current_exe`) with its own arguments and [`PART_VAR`]
-    /// set, its output discarded (or kept in [`LOG_VAR`]). `run` names what the program trains
-    /// (model, shapes, dtypes, options). `None` (nothing started) in a
-    /// worker, with `BASTILE_PRECOMPILE=0`, without the kernel cache
+    /// set, its output discarded (or kept in [`LOG_VAR`]). `run` names
+    /// what the program trains (model, shapes, dtypes, options). `None`
+    /// (nothing started) in a worker, with `BASTILE_PRECOMPILE=0`, without the kernel cache
     /// ([`bastile::kernel_cache::kernel_cache_active`]), or when a first
     /// step of this build of the program training `run` already ended with
     /// this cache.
@@ -354,7 +356,7 @@ impl Precompile {
 
     /// After the first step ended: stops the workers still running (every
     /// kernel of the step is in the cache now) and marks the run as done,
-    /// so the next start of the program with these arguments spawns none.
+    /// so the next start of this build training the same run spawns none.
     pub fn finish(mut self) -> PrecompileReport {
         let mut report = PrecompileReport::default();
         for (part, mut child) in std::mem::take(&mut self.workers) {
