@@ -467,9 +467,10 @@ impl Finetune {
                 .next(&mut order, &set.examples)
                 .expect("the sampler never ends");
             let batch = precompile::worker_batch(&batch.to_device(&device));
-            let config = source.config()?;
+            // The model is the worker's already, built from `worker_config`
+            // (which leaves a worker's config as it is).
+            let config = model.hf_config.clone();
             let train = trainer.config.clone();
-            // The model is the worker's already (`worker_config`).
             precompile::run_part(part, &config, dtype, |_| Ok(model), batch, train)?;
             std::process::exit(0);
         }

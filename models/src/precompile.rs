@@ -364,8 +364,7 @@ impl Precompile {
                 Ok(Some(status)) if status.success() => report.done.push(part),
                 Ok(Some(status)) => report.failed.push((part, status.to_string())),
                 Ok(None) | Err(_) => {
-                    let _ = child.kill();
-                    let _ = child.wait();
+                    stop(&mut child);
                     report.stopped.push(part);
                 }
             }
@@ -384,10 +383,15 @@ impl Drop for Precompile {
     /// workers with it.
     fn drop(&mut self) {
         for (_, child) in &mut self.workers {
-            let _ = child.kill();
-            let _ = child.wait();
+            stop(child);
         }
     }
+}
+
+/// Ends a worker (if it still runs) and reaps it.
+fn stop(child: &mut Child) {
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// Names a program build and what it trains: the executable's path, size

@@ -29,6 +29,12 @@ fn a_worker_model_keeps_the_first_layer_and_what_its_part_runs() {
     config.layer_types = Some((0..6).map(|i| kinds[i % 2].to_string()).collect());
     for part in Part::ALL {
         let worker = worker_config(&config, part);
+        // A worker's config is its own worker config (the command builds a
+        // worker's model first and hands its config to `run_part`).
+        assert_eq!(
+            serde_json::to_value(worker_config(&worker, part)).unwrap(),
+            serde_json::to_value(&worker).unwrap()
+        );
         assert_eq!(worker.num_hidden_layers, 1);
         assert_eq!(worker.layer_types, Some(vec![kinds[0].to_string()]));
         let resolved = worker.resolve().unwrap();
