@@ -35,7 +35,8 @@
 //!   [`rope`] / [`rope_one`] with [`RopeTables`], [`linear_cross_entropy`]
 //!   (the LM head and its loss without materialized logits) and
 //!   [`cross_entropy`] on given logits, with [`CrossEntropyOptions`],
-//!   [`lora_update`], [`embedding`] (the token lookup, whose gradient
+//!   [`lora_linear`] (a linear layer with a LoRA adapter) and
+//!   [`lora_update`] (the adapter alone), [`embedding`] (the token lookup, whose gradient
 //!   is added into a tied output layer's in place, see also
 //!   [`add_embedding_grad`]) and [`gather_rows`] (rows gathered by an
 //!   index whose inverse gathers their gradient back: routed experts).
@@ -75,7 +76,7 @@ pub use ops::embedding::{add_embedding_grad, embedding};
 pub use ops::gather_rows::gather_rows;
 pub use ops::geglu::geglu_oss;
 pub use ops::linear_cross_entropy::{LinearGrads, linear_cross_entropy};
-pub use ops::lora::lora_update;
+pub use ops::lora::{lora_linear, lora_update};
 pub use ops::rms_norm::rms_norm;
 pub use ops::rope::{RopeLayout, RopeOptions, RopePairing, RopeTables, rope, rope_one};
 pub use ops::swiglu::{GluTensors, swiglu, swiglu_packed};

@@ -203,25 +203,6 @@ backend_test! {
     }
 }
 
-/// Each element of `actual` within `tol` of `magnitude` (the sum of its
-/// terms' magnitudes) of `expected`.
-fn assert_within(
-    what: &str,
-    actual: &[f64],
-    expected: &[f64],
-    magnitude: &[f64],
-    tol: f64,
-    seed: u64,
-) {
-    assert_eq!(actual.len(), expected.len(), "{what}: element count");
-    for (i, ((a, e), m)) in actual.iter().zip(expected).zip(magnitude).enumerate() {
-        assert!(
-            (a - e).abs() <= tol * m,
-            "{what}: element {i} is {a}, expected {e} within {tol:.1e} of {m} (the sum of its terms' magnitudes); seed {seed}"
-        );
-    }
-}
-
 #[test]
 fn add_embedding_grad_matches_reference_and_rejects_bad_shapes() {
     type B = Bastile<burn::backend::NdArray>;

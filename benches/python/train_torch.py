@@ -107,9 +107,12 @@ def one(model_name, impl, batch, seq, steps, attn, lora=None, checkpointing=Fals
     config = AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(0)
     # None leaves HF's default for the model (what `from_pretrained` gives).
-    model = AutoModelForCausalLM.from_config(
-        config, torch_dtype=torch.bfloat16, attn_implementation=attn
-    ).cuda()
+    # Initialized on the GPU: random weights of an 8B model take minutes on
+    # the CPU, and where they come from does not change a step.
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(
+            config, torch_dtype=torch.bfloat16, attn_implementation=attn
+        )
     if lora:
         from peft import LoraConfig, get_peft_model
 

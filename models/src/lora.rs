@@ -6,9 +6,10 @@
 //! chosen projection of each layer an adapter: `y = x·W + s·(drop(x)·A)·B`
 //! with `A` `[in, rank]` (Kaiming-uniform, as PEFT initializes it), `B`
 //! `[rank, out]` (zeros, so training starts from the base model) and
-//! `s = alpha / rank` (or `alpha / √rank` with rsLoRA). The update is one
-//! autodiff node under `Bastile` ([`bastile::lora_update`]); its products
-//! run in the activations' dtype (the adapters are cast to it, as
+//! `s = alpha / rank` (or `alpha / √rank` with rsLoRA). A projection with
+//! its adapter is one autodiff node under `Bastile`
+//! ([`bastile::lora_linear`]: the update added into the base product in the
+//! GEMM's epilogue); the products run in the activations' dtype (the adapters are cast to it, as
 //! autocast does), so bf16 activations meet f32 adapters at bf16 speed
 //! while the optimizer keeps the adapters in f32.
 //!
@@ -31,7 +32,7 @@ use burn_store::{BurnToPyTorchAdapter, ModuleSnapshot, PyTorchToBurnAdapter, Saf
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use bastile::{BastileBackend, lora_update};
+use bastile::{BastileBackend, lora_linear, lora_update};
 
 use crate::hf::{check_header, load_file_into, report_problems};
 use crate::model::{CastParams, CausalLm};
@@ -311,7 +312,9 @@ impl<B: BastileBackend> LoraAdapter<B> {
     }
 }
 
-/// `linear(x)` plus its adapter's update, if it has one.
+/// `linear(x)` plus its adapter's update, if it has one: one fused node
+/// under `Bastile` ([`bastile::lora_linear`]), unless dropout on the
+/// adapter's path gives the adapter another input than the base layer's.
 ///
 /// # Shapes
 ///
@@ -322,10 +325,21 @@ pub fn project<B: BastileBackend, const D: usize>(
     adapter: Option<&LoraAdapter<B>>,
     x: Tensor<B, D>,
 ) -> Result<Tensor<B, D>, ModelError> {
-    Ok(match adapter {
-        Some(adapter) => linear.forward(x.clone()) + adapter.update(x)?,
-        None => linear.forward(x),
-    })
+    let Some(adapter) = adapter else {
+        return Ok(linear.forward(x));
+    };
+    // What `Dropout::forward` tests: whether it changes its input.
+    if adapter.dropout.prob > 0.0 && B::ad_enabled(&x.device()) {
+        return Ok(linear.forward(x.clone()) + adapter.update(x)?);
+    }
+    Ok(lora_linear(
+        x,
+        linear.weight.val(),
+        linear.bias.as_ref().map(|b| b.val()),
+        adapter.lora_a.weight.val(),
+        adapter.lora_b.weight.val(),
+        adapter.scale,
+    )?)
 }
 
 /// The adapters of a layer's attention projections (PEFT's paths

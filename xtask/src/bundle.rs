@@ -20,6 +20,7 @@ const GPU_TESTS: &[&str] = &[
     "cross_entropy",
     "embedding",
     "gather_rows",
+    "lora",
     "reduce",
     "streams",
     "matmul",

@@ -10,19 +10,23 @@ use burn_autodiff::ops::Ops;
 
 /// The backward pass of a fused node with `N` parents: consumes the node's
 /// output gradient, computes the parents' gradients from the saved state
-/// (in parent order) and registers those of the parents the graph tracks.
+/// (in parent order; a gradient may be `None` for a parent the graph does
+/// not track, so that it is never computed) and registers those of the
+/// parents the graph tracks.
 pub(crate) fn register_grads<B, S, G, const N: usize>(
     ops: Ops<S, N>,
     grads: &mut Gradients,
     backward: impl FnOnce(S, FloatTensor<B>) -> G,
 ) where
     B: Backend,
-    G: IntoIterator<Item = FloatTensor<B>>,
+    G: IntoIterator,
+    G::Item: Into<Option<FloatTensor<B>>>,
 {
     let dout = grads.consume::<B>(&ops.node);
     let parent_grads = backward(ops.state, dout);
     for (parent, grad) in ops.parents.into_iter().zip(parent_grads) {
         if let Some(parent) = parent {
+            let grad = grad.into().expect("a tracked parent's gradient");
             grads.register::<B>(parent.id, grad);
         }
     }

@@ -143,3 +143,22 @@ pub fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f64> {
         .to_vec::<f64>()
         .expect("f64 data")
 }
+
+/// Each element of `actual` within `tol` of `magnitude` (the sum of its
+/// terms' magnitudes) of `expected`.
+pub fn assert_within(
+    what: &str,
+    actual: &[f64],
+    expected: &[f64],
+    magnitude: &[f64],
+    tol: f64,
+    seed: u64,
+) {
+    assert_eq!(actual.len(), expected.len(), "{what}: element count");
+    for (i, ((a, e), m)) in actual.iter().zip(expected).zip(magnitude).enumerate() {
+        assert!(
+            (a - e).abs() <= tol * m,
+            "{what}: element {i} is {a}, expected {e} within {tol:.1e} of {m} (the sum of its terms' magnitudes); seed {seed}"
+        );
+    }
+}

@@ -47,13 +47,16 @@ pub fn available(index: usize) -> bool {
     device::with_device(index, |_| Ok(())).is_ok()
 }
 
-/// The buffers of one matmul: `out = lhs · rhs (+ bias)`, laid out as
-/// `plan` says; `bias` has one value per output column.
+/// The buffers of one matmul: `out = scale · lhs · rhs (+ bias)`, laid out
+/// as `plan` says; `bias` has one value per output column.
 pub struct GemmBuffers<'a> {
     pub lhs: &'a Handle,
     pub rhs: &'a Handle,
     pub bias: Option<&'a Handle>,
     pub out: &'a Handle,
+    /// The product's factor (α): applied in the epilogue, in f32, so a
+    /// scaled product costs what a plain one does.
+    pub scale: f32,
     /// `out += lhs · rhs` (β = 1: the sum happens in the product's
     /// epilogue, reading `out` once) instead of overwriting `out`.
     pub accumulate: bool,
@@ -177,7 +180,7 @@ fn launch(
                 prepared.desc.set_bias(ptr)?;
             }
             let desc = &prepared.desc;
-            let (alpha, beta) = (1.0f32, if buffers.accumulate { 1.0f32 } else { 0.0 });
+            let (alpha, beta) = (buffers.scale, if buffers.accumulate { 1.0f32 } else { 0.0 });
             let call = |algo: &cublasLtMatmulAlgo_t, call: &[usize; 3]| {
                 let a = rhs_ptr + call[1] as u64 * elem;
                 let b = lhs_ptr + call[0] as u64 * elem;

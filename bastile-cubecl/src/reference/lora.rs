@@ -1,6 +1,7 @@
 //! f64 reference of a LoRA adapter on a linear layer (see
-//! `bastile::lora_update`): `y = x·W + bias + s·(x·A)·B`, and the gradients
-//! of `Σ y·g` for `x`, `A` and `B`. Matrices are row-major: `x` `[n, i]`,
+//! `bastile::lora_linear`): `y = x·W + bias + s·(x·A)·B`, and the gradients
+//! of `Σ y·g` for `x`, `A` and `B` ([`forward_backward`]) and for a trained
+//! `W` and bias ([`base_grads`]). Matrices are row-major: `x` `[n, i]`,
 //! `w` `[i, o]`, `a` `[i, r]`, `b` `[r, o]`, `g` `[n, o]`; an empty `w` or
 //! `bias` leaves that term out (the update alone).
 
@@ -57,4 +58,14 @@ pub fn forward_backward(p: &Problem, g: &[f64]) -> [Vec<f64>; 4] {
         .map(|e| s * dot(n, &|t| xa[t * r + e / o] * g[t * o + e % o]))
         .collect();
     [y, dx, da, db]
+}
+
+/// `[dW, dbias]` for output gradient `g`: `xᵀ · g` and `g`'s column sums.
+pub fn base_grads(p: &Problem, g: &[f64]) -> [Vec<f64>; 2] {
+    let [n, i, _, o] = p.sizes;
+    let dw = (0..i * o)
+        .map(|e| (0..n).map(|t| p.x[t * i + e / o] * g[t * o + e % o]).sum())
+        .collect();
+    let dbias = (0..o).map(|j| (0..n).map(|t| g[t * o + j]).sum()).collect();
+    [dw, dbias]
 }

@@ -67,8 +67,61 @@ pub(crate) fn matmul_blas_into_rows<R: CubeRuntime>(
         && cuda::matmul_into_rows(lhs, rhs, out, first_row)
 }
 
+/// `scale · lhs · rhs` for matrices, written in `dtype`, plus `acc` when
+/// given (in `dtype`, the product's shape), for kernels that multiply
+/// inside a larger op (the LoRA layer, the fused loss's chunks): on
+/// cuBLASLt when the `matmul` patch is on and it takes the problem (the
+/// factor and the sum in its epilogue, the sum into `acc`'s own memory when
+/// nothing else holds it), else CubeCL's matmul and element-wise ops.
+pub(crate) fn product<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    lhs: &CubeTensor<R>,
+    rhs: &CubeTensor<R>,
+    scale: f32,
+    dtype: DType,
+    acc: Option<CubeTensor<R>>,
+) -> CubeTensor<R> {
+    type Inner<R, F, I, BT> = CubeBackend<R, F, I, BT>;
+    let blas = crate::patches::is_enabled(crate::patches::Op::Matmul)
+        .then(|| cuda::product(lhs, rhs, scale, dtype, acc.as_ref()))
+        .flatten();
+    let out = match blas {
+        Some((sum, true)) => return sum,
+        Some((out, false)) => out,
+        None => {
+            // CubeCL's matmul writes the operands' dtype or f32.
+            let written = if dtype == DType::F32 {
+                dtype
+            } else {
+                lhs.dtype
+            };
+            let shape = Shape::new([lhs.shape()[0], rhs.shape()[1]]);
+            let out = burn_cubecl::kernel::matmul::matmul(
+                lhs.clone(),
+                rhs.clone(),
+                None,
+                burn_cubecl::kernel::matmul::MatmulStrategy::default(),
+                written,
+            )
+            .unwrap_or_else(|e| {
+                crate::launch_failure::failed("matmul", format!("{e:?}"));
+                crate::fused::cube::empty_like(lhs, shape, written)
+            });
+            let out = if scale == 1.0 {
+                out
+            } else {
+                Inner::<R, F, I, BT>::float_mul_scalar(out, f64::from(scale).into())
+            };
+            crate::ops::cast_to::<Inner<R, F, I, BT>>(out, dtype)
+        }
+    };
+    match acc {
+        Some(acc) => Inner::<R, F, I, BT>::float_add(acc, out),
+        None => out,
+    }
+}
+
 /// `lhs · rhs (+ bias over the last dimension)`.
-fn matmul<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+pub(crate) fn matmul<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     lhs: CubeTensor<R>,
     rhs: CubeTensor<R>,
     bias: Option<CubeTensor<R>>,
@@ -132,6 +185,24 @@ mod cuda {
         )
     }
 
+    /// What a product's epilogue does besides writing it: its factor, a
+    /// bias per output column, or a sum into the output's values.
+    struct Epilogue<'a, R: CubeRuntime> {
+        scale: f32,
+        bias: Option<&'a CubeTensor<R>>,
+        accumulate: bool,
+    }
+
+    impl<'a, R: CubeRuntime> Epilogue<'a, R> {
+        fn plain(bias: Option<&'a CubeTensor<R>>) -> Self {
+            Self {
+                scale: 1.0,
+                bias,
+                accumulate: false,
+            }
+        }
+    }
+
     /// The operands of one product as cuBLASLt can read them, with their
     /// plan, dtype and CUDA client.
     struct Operands<'a, R: CubeRuntime> {
@@ -175,10 +246,11 @@ mod cuda {
             })
         }
 
-        /// Writes the product into `out`; `false` when cuBLASLt declines
-        /// it (nothing was written). A cuBLASLt error is a
+        /// Writes `scale ·` the product (`+ bias`) into `out`, or adds it
+        /// to `out` with `accumulate`; `false` when cuBLASLt declines it
+        /// (nothing was written). A cuBLASLt error is a
         /// [launch failure](crate::launch_failure).
-        fn run(&self, out: &Handle, out_dtype: FloatDtype, bias: Option<&CubeTensor<R>>) -> bool {
+        fn run(&self, out: &Handle, out_dtype: FloatDtype, epilogue: Epilogue<'_, R>) -> bool {
             let dtypes = GemmDtypes {
                 operands: self.dtype,
                 out: out_dtype,
@@ -186,9 +258,10 @@ mod cuda {
             let buffers = GemmBuffers {
                 lhs: &self.lhs.handle,
                 rhs: &self.rhs.handle,
-                bias: bias.map(|b| &b.handle),
+                bias: epilogue.bias.map(|b| &b.handle),
                 out,
-                accumulate: false,
+                scale: epilogue.scale,
+                accumulate: epilogue.accumulate,
             };
             match cublaslt::gemm(self.client, self.index, dtypes, &self.plan, buffers) {
                 Ok(()) => true,
@@ -221,8 +294,52 @@ mod cuda {
             ops.plan.out_shape.clone().into(),
             out_dtype,
         );
-        ops.run(&out.handle, out_kernel_dtype, bias.as_ref())
-            .then_some(out)
+        ops.run(
+            &out.handle,
+            out_kernel_dtype,
+            Epilogue::plain(bias.as_ref()),
+        )
+        .then_some(out)
+    }
+
+    /// `scale · lhs · rhs` in `out_dtype` (the operands' or f32), added
+    /// into `acc` in place when `acc` can take it (nothing else holds it,
+    /// contiguous, the product's shape and `out_dtype`): the result and
+    /// whether it went into `acc`. `None` when this is not the CUDA
+    /// runtime or cuBLASLt declines.
+    pub fn product<R: CubeRuntime>(
+        lhs: &CubeTensor<R>,
+        rhs: &CubeTensor<R>,
+        scale: f32,
+        out_dtype: burn::tensor::DType,
+        acc: Option<&CubeTensor<R>>,
+    ) -> Option<(CubeTensor<R>, bool)> {
+        let out_kernel_dtype = kernel_dtype(out_dtype)?;
+        let ops = Operands::new(lhs, rhs)?;
+        let epilogue = |accumulate| Epilogue {
+            scale,
+            bias: None,
+            accumulate,
+        };
+        let takes_sum = |acc: &&CubeTensor<R>| {
+            acc.dtype == out_dtype
+                && acc.can_mut()
+                && acc.is_contiguous()
+                && acc.shape().as_slice() == ops.plan.out_shape.as_slice()
+        };
+        if let Some(acc) = acc.filter(takes_sum) {
+            return ops
+                .run(&acc.handle, out_kernel_dtype, epilogue(true))
+                .then(|| (acc.clone(), true));
+        }
+        let out = empty_device_contiguous_dtype(
+            ops.lhs.client.clone(),
+            ops.lhs.device.clone(),
+            ops.plan.out_shape.clone().into(),
+            out_dtype,
+        );
+        ops.run(&out.handle, out_kernel_dtype, epilogue(false))
+            .then_some((out, false))
     }
 
     /// `false` when this is not the CUDA runtime, `out` is not a
@@ -252,7 +369,7 @@ mod cuda {
             .clone()
             .offset_start(first_row as u64 * row_bytes)
             .offset_end(rows_after * row_bytes);
-        ops.run(&rows, ops.dtype, None)
+        ops.run(&rows, ops.dtype, Epilogue::plain(None))
     }
 }
 
@@ -285,5 +402,15 @@ mod cuda {
         _first_row: usize,
     ) -> bool {
         false
+    }
+
+    pub fn product<R: CubeRuntime>(
+        _lhs: &CubeTensor<R>,
+        _rhs: &CubeTensor<R>,
+        _scale: f32,
+        _out_dtype: burn::tensor::DType,
+        _acc: Option<&CubeTensor<R>>,
+    ) -> Option<(CubeTensor<R>, bool)> {
+        None
     }
 }

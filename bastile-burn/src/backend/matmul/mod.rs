@@ -11,7 +11,7 @@ use crate::fused::{KernelBackend, TensorSpec, unpack};
 use crate::patches::{Op, is_enabled};
 use kernel::Matmul;
 pub use kernel::MatmulQuery;
-pub(crate) use kernel::{matmul_blas, matmul_blas_into_rows};
+pub(crate) use kernel::{matmul as matmul_with_bias, matmul_blas, matmul_blas_into_rows, product};
 
 fn use_blas<B: KernelBackend>(t: &FloatTensor<B>) -> bool {
     let query = MatmulQuery { dtype: t.dtype() };

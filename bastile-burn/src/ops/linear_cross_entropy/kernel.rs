@@ -14,18 +14,16 @@
 //! slice (at most [`SLICE_LOGITS_BYTES`]) beside `dW` in the second.
 
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Int, Shape, Tensor, TensorMetadata, TensorPrimitive};
-use burn_cubecl::kernel::matmul::{MatmulStrategy, matmul};
+use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 use bastile_cubecl::cross_entropy::{CrossEntropyMode, VocabSlice};
 
 use super::LinearGrads;
-use crate::backend::matmul::{matmul_blas, matmul_blas_into_rows};
+use crate::backend::matmul::{matmul_blas_into_rows, product};
 use crate::fused::cube::{as_rows, contiguous_i32, empty_like, stride_multiple};
 use crate::fused::{kernel, kernel_dtype};
-use crate::launch_failure::failed;
 use crate::ops::cross_entropy::LossSpec;
 use crate::ops::cross_entropy::kernel::{Launch, problem};
 
@@ -138,23 +136,19 @@ fn prim<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement, const D
     t.into_primitive().tensor()
 }
 
-/// `a · b` written in `out_dtype` (the operands' or f32): on cuBLASLt when
-/// it takes the problem (CUDA, `matmul` patch on), else CubeCL's matmul.
+/// `a · b` written in `out_dtype` (the operands' or f32).
 fn mm<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     a: Tensor<Cube<R, F, I, BT>, 2>,
     b: Tensor<Cube<R, F, I, BT>, 2>,
     out_dtype: DType,
 ) -> Tensor<Cube<R, F, I, BT>, 2> {
-    let (a, b) = (prim(a), prim(b));
-    let out = matmul_blas(&a, &b, out_dtype).unwrap_or_else(|| {
-        let shape = Shape::new([a.shape()[0], b.shape()[1]]);
-        let like = a.clone();
-        matmul(a, b, None, MatmulStrategy::default(), out_dtype).unwrap_or_else(|e| {
-            failed("loss matmul", format!("{e:?}"));
-            empty_like(&like, shape, out_dtype)
-        })
-    });
-    float(out)
+    float(product::<R, F, I, BT>(
+        &prim(a),
+        &prim(b),
+        1.0,
+        out_dtype,
+        None,
+    ))
 }
 
 /// Runs the chunk loop: per-token `(losses, lse)` for the stats passes and
