@@ -36,9 +36,9 @@
 //!   (the LM head and its loss without materialized logits) and
 //!   [`cross_entropy`] on given logits, with [`CrossEntropyOptions`],
 //!   [`lora_linear`] (a linear layer with a LoRA adapter) and
-//!   [`lora_update`] (the adapter alone), [`embedding`] (the token lookup, whose gradient
-//!   is added into a tied output layer's in place, see also
-//!   [`add_embedding_grad`]) and [`gather_rows`] (rows gathered by an
+//!   [`lora_update`] (the adapter alone), [`embedding`] (the token
+//!   lookup, whose gradient is added into a tied output layer's in place,
+//!   see also [`add_embedding_grad`]) and [`gather_rows`] (rows gathered by an
 //!   index whose inverse gathers their gradient back: routed experts).
 //! * [`apply`], [`reset`], [`patched_ops`] switch ops on and off at run time;
 //!   a disabled op takes the composite path.

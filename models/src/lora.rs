@@ -8,10 +8,11 @@
 //! `[rank, out]` (zeros, so training starts from the base model) and
 //! `s = alpha / rank` (or `alpha / √rank` with rsLoRA). A projection with
 //! its adapter is one autodiff node under `Bastile`
-//! ([`bastile::lora_linear`]: the update added into the base product in the
-//! GEMM's epilogue); the products run in the activations' dtype (the adapters are cast to it, as
-//! autocast does), so bf16 activations meet f32 adapters at bf16 speed
-//! while the optimizer keeps the adapters in f32.
+//! ([`bastile::lora_linear`]: the update added into the base product in
+//! the GEMM's epilogue); the products run in the activations' dtype (the
+//! adapters are cast to it, as autocast does), so bf16 activations meet
+//! f32 adapters at bf16 speed while the optimizer keeps the adapters in
+//! f32.
 //!
 //! [`CausalLm::save_adapter_dir`] writes `adapter_config.json` and
 //! `adapter_model.safetensors` with PEFT's names

@@ -57,8 +57,9 @@ pub struct GemmBuffers<'a> {
     /// The product's factor (α): applied in the epilogue, in f32, so a
     /// scaled product costs what a plain one does.
     pub scale: f32,
-    /// `out += lhs · rhs` (β = 1: the sum happens in the product's
-    /// epilogue, reading `out` once) instead of overwriting `out`.
+    /// `out += scale · lhs · rhs` (β = 1: the sum happens in the
+    /// product's epilogue, reading `out` once) instead of overwriting
+    /// `out`.
     pub accumulate: bool,
 }
 
