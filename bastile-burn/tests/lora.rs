@@ -1,9 +1,11 @@
-//! LoRA through Burn: a linear layer with its adapter (`lora_linear`) and
-//! the adapter's update alone (`lora_update`) on `Bastile<B>` (one fused
-//! node) and on `B` (Burn's ops), against the f64 reference: values and
-//! the gradients of the input, both adapters and, when the base layer is
-//! trained, its weight and bias; with f32 adapters on half-precision
-//! activations (the products in the activations' dtype) and odd sizes.
+//! Linear layers through Burn: a linear layer with its LoRA adapter
+//! (`lora_linear`), the adapter's update alone (`lora_update`) and the
+//! plain layer (`linear`) on `Bastile<B>` (one fused node each) and on `B`
+//! (Burn's ops), against the f64 reference: values and the gradients of
+//! the input, both adapters and, when the base layer is trained, its
+//! weight and bias (a frozen one gets none); with f32 adapters on
+//! half-precision activations (the products in the activations' dtype)
+//! and odd sizes.
 
 use crate::common::*;
 use bastile::{Bastile, BastileBackend, BastileError, lora_linear, lora_update};
@@ -241,7 +243,107 @@ fn lora_rejects_bad_input() {
         [2, 3, 5]
     );
     assert_eq!(
-        linear(w, Some(Tensor::zeros([5], &device))).unwrap().dims(),
+        linear(w.clone(), Some(Tensor::zeros([5], &device)))
+            .unwrap()
+            .dims(),
         [2, 3, 5]
     );
+    // The plain layer checks the same.
+    let plain = |w: Tensor<B, 2>, bias| bastile::linear(x.clone(), w, bias);
+    assert!(shape(plain(Tensor::zeros([7, 5], &device), None)));
+    assert!(shape(plain(w.clone(), Some(Tensor::zeros([4], &device)))));
+    assert!(matches!(
+        plain(w.clone().cast(DType::F64), None),
+        Err(BastileError::DType(_))
+    ));
+    assert_eq!(plain(w, None).unwrap().dims(), [2, 3, 5]);
+}
+
+/// `[y, dx, dW, dbias]` of `bastile::linear` on `Autodiff<X>`: `x` `[2,
+/// n/2, i]`, the weight and bias in `dtype`, trained or frozen.
+fn run_linear<X: BastileBackend>(
+    p: &reference::Problem,
+    trained: bool,
+    g: &[f64],
+    dtype: DType,
+    device: &X::Device,
+) -> Vec<Vec<f64>> {
+    type A<X> = Autodiff<X>;
+    let [n, i, _, o] = p.sizes;
+    let x = tensor::<A<X>, 3>(p.x, [2, n / 2, i], dtype, device).require_grad();
+    let (mut w, mut bias) = (
+        tensor::<A<X>, 2>(p.w, [i, o], dtype, device),
+        tensor::<A<X>, 1>(p.bias, [o], dtype, device),
+    );
+    if trained {
+        (w, bias) = (w.require_grad(), bias.require_grad());
+    }
+    let out = bastile::linear(x.clone(), w.clone(), Some(bias.clone())).unwrap();
+    assert_eq!(out.dtype(), dtype);
+    let grads = (out.clone() * tensor::<A<X>, 3>(g, [2, n / 2, o], dtype, device))
+        .sum()
+        .backward();
+    let mut results = vec![values(out.inner()), values(x.grad(&grads).expect("dx"))];
+    if trained {
+        results.push(values(w.grad(&grads).expect("dW")));
+        results.push(values(bias.grad(&grads).expect("dbias")));
+    } else {
+        assert!(w.grad(&grads).is_none() && bias.grad(&grads).is_none());
+    }
+    results
+}
+
+backend_test! {
+    fn linear_fused_and_composite_match_reference<B>(device, name, dtypes) {
+        let mut rng = Rng::fresh();
+        let seed = rng.seed();
+        for &dtype in dtypes {
+            let query = bastile::fused::DTypeQuery { dtype };
+            assert!(bastile::fused::is_fused::<Bastile<B>, _>(&bastile::ops::linear::Linear, device, &query));
+            for [n, i, o] in [[2usize, 1usize, 1usize], [34, 67, 29]] {
+                for trained in [false, true] {
+                    let x = randn(&mut rng, n * i, 0.0, 1.0, dtype);
+                    let w = randn(&mut rng, i * o, 0.0, 0.3, dtype);
+                    let bias = randn(&mut rng, o, 0.0, 1.0, dtype);
+                    let g = randn(&mut rng, n * o, 0.0, 1.0, dtype);
+                    // No adapter: the reference's update is zero.
+                    let zeros = vec![0.0; i.max(o)];
+                    let problem = reference::Problem {
+                        sizes: [n, i, 1, o],
+                        x: &x,
+                        w: &w,
+                        bias: &bias,
+                        a: &zeros[..i],
+                        b: &zeros[..o],
+                        scale: 0.0,
+                    };
+                    let abs = |v: &[f64]| v.iter().map(|e| e.abs()).collect::<Vec<_>>();
+                    let (ax, aw, abias, ag) = (abs(&x), abs(&w), abs(&bias), abs(&g));
+                    let magnitudes = reference::Problem { x: &ax, w: &aw, bias: &abias, ..problem };
+                    let expect = |p: &reference::Problem, g: &[f64]| {
+                        let [y, dx, _, _] = reference::forward_backward(p, g);
+                        let mut out = vec![y, dx];
+                        if trained {
+                            out.extend(reference::base_grads(p, g));
+                        }
+                        out
+                    };
+                    let (expected, magnitude) = (expect(&problem, &g), expect(&magnitudes, &ag));
+                    let tol = tolerance(kdtype(dtype));
+                    let composite_tol = if name.starts_with("cuda") { tol.max(2e-3) } else { tol };
+                    let what = format!("{name} {dtype:?} trained {trained} [n, i, o] = {:?}", [n, i, o]);
+                    let fused = run_linear::<Bastile<B>>(&problem, trained, &g, dtype, device);
+                    let composite = checks_composite(name)
+                        .then(|| run_linear::<B>(&problem, trained, &g, dtype, device));
+                    for (k, part) in ["y", "dx", "dW", "dbias"].into_iter().enumerate().take(expected.len()) {
+                        let (e, m) = (&expected[k], &magnitude[k]);
+                        assert_within(&format!("{part} {what}"), &fused[k], e, m, tol, seed);
+                        if let Some(c) = &composite {
+                            assert_within(&format!("composite {part} {what}"), &c[k], e, m, composite_tol, seed);
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

@@ -314,8 +314,9 @@ impl<B: BastileBackend> LoraAdapter<B> {
 }
 
 /// `linear(x)` plus its adapter's update, if it has one: one fused node
-/// under `Bastile` ([`bastile::lora_linear`]), unless dropout on the
-/// adapter's path gives the adapter another input than the base layer's.
+/// under `Bastile` ([`bastile::linear`], [`bastile::lora_linear`]), unless
+/// dropout on the adapter's path gives the adapter another input than the
+/// base layer's.
 ///
 /// # Shapes
 ///
@@ -326,8 +327,9 @@ pub fn project<B: BastileBackend, const D: usize>(
     adapter: Option<&LoraAdapter<B>>,
     x: Tensor<B, D>,
 ) -> Result<Tensor<B, D>, ModelError> {
+    let bias = || linear.bias.as_ref().map(|b| b.val());
     let Some(adapter) = adapter else {
-        return Ok(linear.forward(x));
+        return Ok(bastile::linear(x, linear.weight.val(), bias())?);
     };
     // What `Dropout::forward` tests: whether it changes its input.
     if adapter.dropout.prob > 0.0 && B::ad_enabled(&x.device()) {
@@ -336,7 +338,7 @@ pub fn project<B: BastileBackend, const D: usize>(
     Ok(lora_linear(
         x,
         linear.weight.val(),
-        linear.bias.as_ref().map(|b| b.val()),
+        bias(),
         adapter.lora_a.weight.val(),
         adapter.lora_b.weight.val(),
         adapter.scale,

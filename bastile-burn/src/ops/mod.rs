@@ -8,6 +8,7 @@ pub mod cross_entropy;
 pub mod embedding;
 pub mod gather_rows;
 pub mod geglu;
+pub mod linear;
 pub mod linear_cross_entropy;
 pub mod lora;
 pub mod reduce;
