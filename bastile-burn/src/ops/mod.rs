@@ -67,6 +67,25 @@ pub(crate) fn check_float(what: &str, dtype: DType) -> Result<(), BastileError> 
     }
 }
 
+/// Errors unless a layer's tensor `what` (a weight, a bias) has the dtype
+/// and device of its input `x`, named `input`.
+pub(crate) fn check_like_input<B: Backend, const D: usize>(
+    input: &str,
+    x: &Tensor<B, D>,
+    what: &str,
+    dtype: DType,
+    device: &B::Device,
+) -> Result<(), BastileError> {
+    check_same_device(input, &x.device(), what, device)?;
+    if dtype != x.dtype() {
+        return Err(BastileError::DType(format!(
+            "{what} must have the dtype of {input}, {:?}, got {dtype:?}",
+            x.dtype()
+        )));
+    }
+    Ok(())
+}
+
 /// Errors unless both devices are the same.
 pub(crate) fn check_same_device<D: PartialEq + core::fmt::Debug>(
     a_what: &str,

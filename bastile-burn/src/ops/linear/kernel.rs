@@ -3,6 +3,7 @@
 //! the products run on cuBLASLt where it takes them, on CubeCL's matmul
 //! elsewhere.
 
+use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, TensorMetadata};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
@@ -34,9 +35,7 @@ kernel!(LinearForward, "bastile_linear_forward", |op, floats, _| {
     let bias = op.has_bias.then(|| floats.next().expect("the bias"));
     let shape = with_columns(x.shape(), weight.shape()[1]);
     let y = matmul_with_bias::<R, F, I, BT>(rows::<Cube<R, F, I, BT>>(x), weight, bias);
-    vec![<Cube<R, F, I, BT> as burn::tensor::ops::FloatTensorOps<
-        _,
-    >>::float_reshape(y, shape)]
+    vec![Cube::<R, F, I, BT>::float_reshape(y, shape)]
 });
 
 /// The backward pass. Inputs: `x, weight, dy`; outputs: `dx` and `dW`, as

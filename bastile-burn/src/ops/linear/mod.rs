@@ -20,7 +20,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Device, Shape, Tensor, TensorMetadata};
 
 use crate::fused::{DTypeQuery, In, KernelBackend, Out, TensorSpec, fused_op};
-use crate::ops::{check_float, check_same_device};
+use crate::ops::{check_float, check_like_input};
 use crate::patches::Op;
 use crate::{BastileBackend, BastileError};
 
@@ -54,17 +54,10 @@ pub fn linear<B: BastileBackend, const D: usize>(
             bias.as_ref().map(|b| b.dims())
         )));
     }
-    let others = [("the weight", weight.dtype(), weight.device())]
-        .into_iter()
-        .chain(bias.as_ref().map(|b| ("the bias", b.dtype(), b.device())));
-    for (what, dtype, device) in others {
-        check_same_device("the linear input", &x.device(), what, &device)?;
-        if dtype != x.dtype() {
-            return Err(BastileError::DType(format!(
-                "{what} of a linear layer must have the input's dtype {:?}, got {dtype:?}",
-                x.dtype()
-            )));
-        }
+    let named = "the linear input";
+    check_like_input(named, &x, "the weight", weight.dtype(), &weight.device())?;
+    if let Some(bias) = &bias {
+        check_like_input(named, &x, "the bias", bias.dtype(), &bias.device())?;
     }
     let input = (
         x.into_primitive().tensor(),

@@ -26,7 +26,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Device, Shape, Tensor, TensorMetadata};
 
 use crate::fused::{DTypeQuery, In, KernelBackend, Out, TensorSpec, fused_op, unpack};
-use crate::ops::{cast_to, check_float, check_same_device, float};
+use crate::ops::{cast_to, check_float, check_like_input, check_same_device, float};
 use crate::patches::Op;
 use crate::{BastileBackend, BastileError};
 
@@ -57,9 +57,17 @@ pub fn lora_linear<B: BastileBackend, const D: usize>(
     scale: f64,
 ) -> Result<Tensor<B, D>, BastileError> {
     let [input, output] = weight.dims();
-    check_base(&x, "the base weight", weight.dtype(), &weight.device())?;
+    let named = "the LoRA input";
+    check_float(named, x.dtype())?;
+    check_like_input(
+        named,
+        &x,
+        "the base weight",
+        weight.dtype(),
+        &weight.device(),
+    )?;
     if let Some(bias) = &bias {
-        check_base(&x, "the base bias", bias.dtype(), &bias.device())?;
+        check_like_input(named, &x, "the base bias", bias.dtype(), &bias.device())?;
     }
     let bias_fits = bias.as_ref().is_none_or(|b| b.dims() == [output]);
     let fits = D > 0 && x.dims()[D - 1] == input && a.dims()[0] == input && b.dims()[1] == output;
@@ -108,25 +116,6 @@ pub fn lora_update<B: BastileBackend, const D: usize>(
 struct Base<B: Backend> {
     weight: FloatTensor<B>,
     bias: Option<FloatTensor<B>>,
-}
-
-/// Errors unless `x` is floating point and the base tensor has its dtype
-/// and device.
-fn check_base<B: Backend, const D: usize>(
-    x: &Tensor<B, D>,
-    what: &str,
-    dtype: DType,
-    device: &B::Device,
-) -> Result<(), BastileError> {
-    check_float("the LoRA input", x.dtype())?;
-    check_same_device("the LoRA input", &x.device(), what, device)?;
-    if dtype != x.dtype() {
-        return Err(BastileError::DType(format!(
-            "{what} must have the input's dtype {:?}, got {dtype:?}",
-            x.dtype()
-        )));
-    }
-    Ok(())
 }
 
 /// Checks the adapter and runs the op on `x` as rows.
