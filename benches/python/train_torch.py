@@ -7,7 +7,8 @@ bf16, one micro-batch of random tokens per step, labels = ids. `--attn
 eager` forces HF's eager attention instead, as earlier results used.
 `--lora R` trains PEFT LoRA adapters of rank R (alpha 2R, no dropout) on
 every linear projection (q, k, v, o, gate, up, down) of the frozen model,
-as a PEFT user with HF Trainer's `bf16=True` runs it: the adapters in f32
+and for GPT-OSS also on its router and both expert weights (PEFT's
+`target_parameters`; its layers have no gate, up or down), as a PEFT user with HF Trainer's `bf16=True` runs it: the adapters in f32
 (PEFT's default), the forward pass under bf16 autocast, AdamW and the
 clip over the adapters only. `--checkpointing` turns on HF's gradient
 checkpointing (`model.gradient_checkpointing_enable()`, as HF Trainer's
@@ -82,6 +83,11 @@ LIGER = {"qwen3": "apply_liger_kernel_to_qwen3", "llama": "apply_liger_kernel_to
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# What `bastile-bench --lora` adapts besides the projections: GPT-OSS's
+# router and experts, which are parameters of modules, not linear layers.
+LORA_PARAMETERS = {
+    "gpt_oss": ["mlp.router.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+}
 
 
 def name(impl, attn, lora=None, checkpointing=False):
@@ -118,7 +124,7 @@ def one(model_name, impl, batch, seq, steps, attn, lora=None, checkpointing=Fals
 
         model = get_peft_model(model, LoraConfig(
             r=lora, lora_alpha=2 * lora, lora_dropout=0.0, target_modules=LORA_TARGETS,
-            task_type="CAUSAL_LM"))
+            target_parameters=LORA_PARAMETERS.get(model_type), task_type="CAUSAL_LM"))
     if checkpointing:
         model.config.use_cache = False
         model.gradient_checkpointing_enable()

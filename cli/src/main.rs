@@ -246,8 +246,9 @@ struct LoraArgs {
     /// Dropout on the adapters' input while training.
     #[arg(long, value_name = "P", default_value_t = 0.0, requires = "lora_rank")]
     lora_dropout: f64,
-    /// The projections that get adapters: q,k,v,o,gate,up,down (or
-    /// `all`, every one the model has).
+    /// The weights that get adapters: q,k,v,o,gate,up,down, for GPT-OSS
+    /// q,k,v,o,router,experts.gate_up,experts.down (or `all`, every one
+    /// the model has; `all-linear`, its linear layers).
     #[arg(
         long,
         value_name = "LIST",

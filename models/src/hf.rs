@@ -122,7 +122,7 @@ pub(crate) fn report_problems(
     missing: &[String],
     unused: &[String],
     dir: &Path,
-    name: fn(&str) -> String,
+    name: &dyn Fn(&str) -> String,
 ) -> Result<(), ModelError> {
     let names = |paths: &[String]| paths.iter().map(|p| name(p)).collect::<Vec<_>>().join(", ");
     let mut problems = Vec::new();
@@ -191,7 +191,7 @@ impl<B: Backend> CausalLm<B> {
             .into_iter()
             .filter(|u| !(tied && u == "lm_head.weight"))
             .collect();
-        report_problems(&errors, &missing, &unused, dir, |path| path.into())?;
+        report_problems(&errors, &missing, &unused, dir, &|path| path.into())?;
         Ok(model)
     }
 

@@ -39,7 +39,8 @@ impl<B: Backend> Mlp<B> {
 
 impl<B: BastileBackend> Mlp<B> {
     /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`; `adapters` add
-    /// their LoRA updates to the dense MLP's projections. With
+    /// their LoRA updates to the dense MLP's projections, or to the
+    /// router's and experts'. With
     /// `router_load`, the experts' [`RouterLoad`] comes along (a dense MLP
     /// has none).
     pub fn forward(
@@ -58,7 +59,7 @@ impl<B: BastileBackend> Mlp<B> {
                 let h = swiglu(gate, up)?;
                 Ok((project(&mlp.down_proj, adapter(|a| &a.down_proj), h)?, None))
             }
-            Mlp::Experts(moe) => moe.forward_with_load(x, router_load),
+            Mlp::Experts(moe) => moe.forward_with_load(x, adapters, router_load),
         }
     }
 }

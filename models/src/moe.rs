@@ -7,6 +7,9 @@
 //! every expert on every token with weight 0 where it was not chosen
 //! (batched matmuls at `experts / top_k` times the expert flops), or each
 //! expert on the tokens routed to it.
+//!
+//! LoRA adapters ([`MlpAdapters`]) add their updates to the router's
+//! logits and to each expert's products.
 
 use bastile::{BastileBackend, gather_rows, geglu_oss};
 use burn::module::{Module, Param};
@@ -17,6 +20,7 @@ use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use crate::ModelError;
 use crate::config::{MoeConfig, check_router_aux_loss};
+use crate::lora::{ExpertAdapter, ExpertAdapters, MlpAdapters, project};
 
 /// GPT-OSS's GEGLU slope.
 const ALPHA: f64 = 1.702;
@@ -86,26 +90,30 @@ impl<B: Backend> Moe<B> {
 impl<B: BastileBackend> Moe<B> {
     /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>, ModelError> {
-        Ok(self.forward_with_load(x, false)?.0)
+        Ok(self.forward_with_load(x, None, false)?.0)
     }
 
-    /// [`Moe::forward`], with the layer's [`RouterLoad`] when `router_load`
-    /// (for the load-balancing loss).
+    /// [`Moe::forward`] with `adapters`' updates on the router and the
+    /// experts (their dense-MLP adapters unused), and the layer's
+    /// [`RouterLoad`] when `router_load` (for the load-balancing loss).
     pub fn forward_with_load(
         &self,
         x: Tensor<B, 3>,
+        adapters: Option<&MlpAdapters<B>>,
         router_load: bool,
     ) -> Result<(Tensor<B, 3>, Option<RouterLoad<B>>), ModelError> {
         let [b, s, h] = x.dims();
         let x = x.reshape([b * s, h]);
-        let logits = self.router.forward(x.clone());
+        let router = adapters.and_then(|a| a.router.as_ref());
+        let experts = adapters.map(|a| &a.experts);
+        let logits = project(&self.router, router, x.clone())?;
         let (top, chosen) = logits.clone().topk_with_indices(self.top_k, 1);
         let load = router_load.then(|| RouterLoad::new(logits.clone(), chosen.clone()));
         // Softmax over the k chosen logits.
         let weights = softmax(top, 1);
         let out = match self.routing {
-            ExpertRouting::Dense => self.dense(x, logits, weights, chosen)?,
-            ExpertRouting::Routed => self.routed(x, weights, chosen)?,
+            ExpertRouting::Dense => self.dense(x, logits, weights, chosen, experts)?,
+            ExpertRouting::Routed => self.routed(x, weights, chosen, experts)?,
         };
         Ok((out.reshape([b, s, h]), load))
     }
@@ -118,22 +126,47 @@ impl<B: BastileBackend> Moe<B> {
         logits: Tensor<B, 2>,
         weights: Tensor<B, 2>,
         chosen: Tensor<B, 2, Int>,
+        adapters: Option<&ExpertAdapters<B>>,
     ) -> Result<Tensor<B, 2>, ModelError> {
         let [t, h] = x.dims();
         let [_, e] = logits.dims();
         let weights = logits
             .zeros_like()
             .scatter(1, chosen, weights, IndexingUpdateOp::Add);
-        let ex = &self.experts;
-        let gate_up = x
-            .unsqueeze::<3>()
-            .expand([e, t, h])
-            .matmul(ex.gate_up_proj.val())
-            + ex.gate_up_proj_bias.val().unsqueeze_dim(1);
-        let act = geglu_oss(gate_up, ALPHA, self.limit)?;
-        let out = act.matmul(ex.down_proj.val()) + ex.down_proj_bias.val().unsqueeze_dim(1);
+        let out = self.expert_outputs(x.unsqueeze::<3>().expand([e, t, h]), adapters)?;
         let weighted = out * weights.transpose().unsqueeze_dim::<3>(2);
         Ok(weighted.sum_dim(0).reshape([t, h]))
+    }
+
+    /// Each expert on its rows: `gate_up` with its bias, the clamped
+    /// GEGLU, `down` with its bias, each product with its adapter's update.
+    ///
+    /// # Shapes
+    ///
+    /// - `x`: `[experts, rows, hidden]`
+    /// - output: `[experts, rows, hidden]`
+    fn expert_outputs(
+        &self,
+        x: Tensor<B, 3>,
+        adapters: Option<&ExpertAdapters<B>>,
+    ) -> Result<Tensor<B, 3>, ModelError> {
+        let ex = &self.experts;
+        let adapter = |pick: fn(&ExpertAdapters<B>) -> &Option<ExpertAdapter<B>>| {
+            adapters.and_then(|a| pick(a).as_ref())
+        };
+        let gate_up = expert_product(
+            x,
+            &ex.gate_up_proj,
+            &ex.gate_up_proj_bias,
+            adapter(|a| &a.gate_up_proj),
+        );
+        let act = geglu_oss(gate_up, ALPHA, self.limit)?;
+        Ok(expert_product(
+            act,
+            &ex.down_proj,
+            &ex.down_proj_bias,
+            adapter(|a| &a.down_proj),
+        ))
     }
 
     /// Each expert on its own tokens: the token-expert assignments grouped
@@ -147,6 +180,7 @@ impl<B: BastileBackend> Moe<B> {
         x: Tensor<B, 2>,
         weights: Tensor<B, 2>,
         chosen: Tensor<B, 2, Int>,
+        adapters: Option<&ExpertAdapters<B>>,
     ) -> Result<Tensor<B, 2>, ModelError> {
         let [t, h] = x.dims();
         let k = self.top_k;
@@ -192,10 +226,7 @@ impl<B: BastileBackend> Moe<B> {
         let slot_of_row = ids(slot_of_row, [rows, 1]);
         let groups =
             gather_rows(x, token_of_row, row_of_slot.clone())?.reshape([experts, capacity, h]);
-        let gate_up =
-            groups.matmul(ex.gate_up_proj.val()) + ex.gate_up_proj_bias.val().unsqueeze_dim(1);
-        let act = geglu_oss(gate_up, ALPHA, self.limit)?;
-        let out = act.matmul(ex.down_proj.val()) + ex.down_proj_bias.val().unsqueeze_dim(1);
+        let out = self.expert_outputs(groups, adapters)?;
         let per_choice = gather_rows(
             out.reshape([rows, h]),
             row_of_slot.reshape([t * k]),
@@ -205,6 +236,27 @@ impl<B: BastileBackend> Moe<B> {
         Ok((per_choice * weights.unsqueeze_dim::<3>(2))
             .sum_dim(1)
             .reshape([t, h]))
+    }
+}
+
+/// Each expert's rows times its weight, plus its bias and its adapter's
+/// update.
+///
+/// # Shapes
+///
+/// - `x`: `[experts, rows, in]`
+/// - `weight`: `[experts, in, out]`, `bias`: `[experts, out]`
+/// - output: `[experts, rows, out]`
+fn expert_product<B: Backend>(
+    x: Tensor<B, 3>,
+    weight: &Param<Tensor<B, 3>>,
+    bias: &Param<Tensor<B, 2>>,
+    adapter: Option<&ExpertAdapter<B>>,
+) -> Tensor<B, 3> {
+    let y = x.clone().matmul(weight.val()) + bias.val().unsqueeze_dim(1);
+    match adapter {
+        Some(adapter) => y + adapter.update(x),
+        None => y,
     }
 }
 

@@ -1,10 +1,12 @@
-//! LoRA: a projection with an adapter against an f64 reference (values and
-//! gradients of the input and both adapter matrices; the frozen base gets
-//! none), on NdArray, wgpu (composite and fused) and CUDA when selected; a
-//! model with adapters trains only them; merged weights give the adapted
-//! logits; adapters saved in PEFT's format load back identically; adapters
-//! written by PEFT (`fixtures/make_lora_fixtures.py`) give PEFT's logits;
-//! bad configs and adapters that do not fit are descriptive errors.
+//! LoRA: a projection with an adapter, and GPT-OSS's expert adapters in
+//! PEFT's stacked layout, against an f64 reference (values and gradients
+//! of the input and both adapter matrices; the frozen base gets none), on
+//! NdArray, wgpu (composite and fused) and CUDA when selected; a model with
+//! adapters trains only them; merged weights give the adapted logits;
+//! adapters saved in PEFT's format load back identically; adapters written
+//! by PEFT (`fixtures/make_lora_fixtures.py`, GPT-OSS's router and experts
+//! included) give PEFT's logits; bad configs and adapters that do not fit
+//! are descriptive errors.
 
 use std::path::{Path, PathBuf};
 
@@ -12,7 +14,8 @@ use crate::common::{fixture, tensor, values};
 use bastile::BastileBackend;
 use bastile_cubecl::reference::lora as reference;
 use bastile_cubecl::testing::{Rng, rel_l2, runtime_selected};
-use bastile_models::lora::{LoraAdapter, parse_targets, project};
+use bastile_models::lora::{ExpertAdapter, LoraAdapter, parse_targets, project};
+use bastile_models::moe::ExpertRouting;
 use bastile_models::{CausalLm, LoraConfig, LoraTarget, MicroBatch, TrainConfig, Trainer};
 use burn::backend::{Autodiff, NdArray};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
@@ -146,6 +149,124 @@ fn lora_projection_matches_f64_reference() {
     }
 }
 
+/// Expert adapters in PEFT's layout against an f64 reference: each
+/// expert's update `s·(x_e·A_e)·B_e` and the gradients of its input and of
+/// both stacked factors, with `A_e`'s column `j` read from `lora_A`'s row
+/// `e·rank + j` and `B_e`'s row `j` from `lora_B`'s column `j·experts + e`,
+/// as PEFT stores them.
+fn expert_adapter_matches_reference<B: AutodiffBackend + BastileBackend>(what: &str, tol: f64) {
+    let device = Default::default();
+    let (e, n, i, r, o) = (3, 5, 7, 2, 4);
+    let mut rng = Rng::from_seed(3);
+    let mut normals = |k| rng.normals(k, 0.0, 0.5);
+    let (x, a, b, g) = (
+        normals(e * n * i),
+        normals(e * r * i),
+        normals(o * r * e),
+        normals(e * n * o),
+    );
+    let config = LoraConfig::new(r).with_alpha(5.0);
+    let s = config.scale();
+    let mut adapter = ExpertAdapter::<B>::new(e, i, o, &config, "experts", &device);
+    adapter.lora_a.weight = Param::from_tensor(tensor(&a, [e * r, i], &device));
+    adapter.lora_b.weight = Param::from_tensor(tensor(&b, [o, r * e], &device));
+    let xt = tensor::<B, 3>(&x, [e, n, i], &device).require_grad();
+    let y = adapter.update(xt.clone());
+    let loss = (y.clone() * tensor::<B, 3>(&g, [e, n, o], &device)).sum();
+    let grads = loss.backward();
+
+    let (a_at, b_at) = (
+        |ex: usize, j: usize| (ex * r + j) * i,
+        |ex: usize, j: usize, oo: usize| oo * r * e + j * e + ex,
+    );
+    let (mut ey, mut edx, mut eda, mut edb) = (
+        vec![0.0; e * n * o],
+        vec![0.0; e * n * i],
+        vec![0.0; e * r * i],
+        vec![0.0; o * r * e],
+    );
+    for ex in 0..e {
+        for m in 0..n {
+            let row = (ex * n + m) * i;
+            for j in 0..r {
+                let xa: f64 = (0..i).map(|ii| x[row + ii] * a[a_at(ex, j) + ii]).sum();
+                for oo in 0..o {
+                    let (bv, gy) = (b[b_at(ex, j, oo)], g[(ex * n + m) * o + oo]);
+                    ey[(ex * n + m) * o + oo] += s * xa * bv;
+                    edb[b_at(ex, j, oo)] += s * xa * gy;
+                    for ii in 0..i {
+                        eda[a_at(ex, j) + ii] += s * gy * bv * x[row + ii];
+                        edx[row + ii] += s * gy * bv * a[a_at(ex, j) + ii];
+                    }
+                }
+            }
+        }
+    }
+    let got = [
+        ("output", values(y)),
+        ("dx", values(xt.grad(&grads).unwrap())),
+        (
+            "dA",
+            values(adapter.lora_a.weight.val().grad(&grads).unwrap()),
+        ),
+        (
+            "dB",
+            values(adapter.lora_b.weight.val().grad(&grads).unwrap()),
+        ),
+    ];
+    for ((name, got), expected) in got.iter().zip([ey, edx, eda, edb]) {
+        let rel = rel_l2(got, &expected);
+        assert!(
+            rel <= tol,
+            "{what}: expert adapter {name} differs by {rel:.2e} (relative L2)"
+        );
+    }
+    // Merging adds each expert's `s·A_e·B_e`: its product with `x` is the
+    // update.
+    let delta = values(adapter.delta_weight());
+    let merged: Vec<f64> = (0..e * n * o)
+        .map(|k| {
+            let (ex, m, oo) = (k / (n * o), k / o % n, k % o);
+            (0..i)
+                .map(|ii| x[(ex * n + m) * i + ii] * delta[(ex * i + ii) * o + oo])
+                .sum()
+        })
+        .collect();
+    let rel = rel_l2(&merged, &got[0].1);
+    assert!(
+        rel <= tol,
+        "{what}: merged expert weights differ by {rel:.2e}"
+    );
+}
+
+#[test]
+fn expert_adapters_match_f64_reference() {
+    expert_adapter_matches_reference::<Nd>("ndarray", 1e-5);
+    if runtime_selected("wgpu", cfg!(feature = "wgpu")) {
+        #[cfg(feature = "wgpu")]
+        {
+            use burn::backend::Wgpu;
+            bastile::apply(bastile::Patches::default());
+            expert_adapter_matches_reference::<Autodiff<bastile::Bastile<Wgpu>>>(
+                "wgpu fused",
+                1e-5,
+            );
+        }
+    }
+    if runtime_selected("cuda", cfg!(feature = "cuda")) {
+        #[cfg(feature = "cuda")]
+        {
+            // TF32 products, as above.
+            use burn::backend::Cuda;
+            bastile::apply(bastile::Patches::default());
+            expert_adapter_matches_reference::<Autodiff<bastile::Bastile<Cuda>>>(
+                "cuda fused",
+                5e-3,
+            );
+        }
+    }
+}
+
 /// Every float parameter's values, in module order.
 struct Values(Vec<Vec<f64>>);
 
@@ -192,8 +313,14 @@ fn ids<B: Backend>(model: &CausalLm<B>, rows: usize, seq: usize) -> Tensor<B, 2,
 /// frozen (no gradient).
 #[test]
 fn lora_model_trains_only_its_adapters() {
+    trains_only_its_adapters("qwen3");
+    // The router's and the experts' adapters too.
+    trains_only_its_adapters("gpt_oss");
+}
+
+fn trains_only_its_adapters(name: &str) {
     let device = Default::default();
-    let base = CausalLm::<Nd>::from_hf_dir(fixture("qwen3"), &device).unwrap();
+    let base = CausalLm::<Nd>::from_hf_dir(fixture(name), &device).unwrap();
     let before = params(&base);
     let model = fill_adapters(base.with_lora(LoraConfig::new(4), &device).unwrap());
     let adapters_before: Vec<_> = model
@@ -218,7 +345,7 @@ fn lora_model_trains_only_its_adapters() {
     out.unwrap();
     for (layer, old) in model.model.layers.iter().zip(&adapters_before) {
         for (new, old) in params(layer.lora.as_ref().unwrap()).iter().zip(old) {
-            assert_ne!(new, old, "an adapter did not train");
+            assert_ne!(new, old, "{name}: an adapter did not train");
         }
     }
     let merged_free = {
@@ -231,7 +358,7 @@ fn lora_model_trains_only_its_adapters() {
     assert_eq!(
         params(&merged_free),
         before,
-        "a frozen base parameter changed"
+        "{name}: a frozen base parameter changed"
     );
 }
 
@@ -241,12 +368,13 @@ fn logits<B: BastileBackend>(model: &CausalLm<B>, ids: Tensor<B, 2, Int>) -> Vec
 }
 
 /// Merged weights give base + adapters' logits; the merged model has no
-/// adapters left.
+/// adapters left. GPT-OSS's adapted experts give the same logits run
+/// densely and routed.
 #[test]
 fn merged_lora_gives_the_adapted_logits() {
     type B = NdArray;
     let device = Default::default();
-    for name in ["qwen3", "llama"] {
+    for name in ["qwen3", "llama", "gpt_oss"] {
         let base = CausalLm::<B>::from_hf_dir(fixture(name), &device).unwrap();
         let plain = logits(&base, ids(&base, 2, 7));
         let adapted = fill_adapters(
@@ -255,6 +383,14 @@ fn merged_lora_gives_the_adapted_logits() {
         );
         let x = ids(&adapted, 2, 7);
         let with_adapters = logits(&adapted, x.clone());
+        let adapted = if adapted.config.moe.is_some() {
+            let routed = adapted.with_expert_routing(ExpertRouting::Routed).unwrap();
+            let rel = rel_l2(&logits(&routed, x.clone()), &with_adapters);
+            assert!(rel <= 1e-5, "{name}: routed experts differ by {rel:.2e}");
+            routed
+        } else {
+            adapted
+        };
         let merged = adapted.merge_lora();
         assert!(merged.lora_config().is_none());
         assert!(merged.model.layers.iter().all(|l| l.lora.is_none()));
@@ -353,6 +489,79 @@ fn lora_adapters_save_and_load_back() {
     assert!(err.contains("merge"), "{err}");
 }
 
+/// GPT-OSS's router and expert adapters save under PEFT's names (the
+/// expert wrappers nested: `gate_up_proj`'s inside `down_proj`'s when both
+/// are adapted) and layout, in a config naming them as
+/// `target_parameters`, and load back identically; `all` gives GPT-OSS the
+/// attention projections, the router and the experts.
+#[test]
+fn gpt_oss_adapters_save_and_load_back() {
+    type B = NdArray;
+    let device = Default::default();
+    let base = || CausalLm::<B>::from_hf_dir(fixture("gpt_oss"), &device).unwrap();
+    let all = base().with_lora(LoraConfig::new(2), &device).unwrap();
+    assert_eq!(
+        all.lora_config().unwrap().targets,
+        parse_targets("q,k,v,o,router,experts.gate_up,experts.down").unwrap()
+    );
+    let c = all.config.clone();
+    let (e, h, inter) = (c.moe.unwrap().experts, c.hidden_size, c.intermediate_size);
+    for (targets, gate_up_module) in [
+        (
+            "v,router,experts.gate_up,experts.down",
+            "mlp.experts.base_layer",
+        ),
+        ("experts.gate_up", "mlp.experts"),
+    ] {
+        let config = LoraConfig::new(3)
+            .with_alpha(4.0)
+            .with_targets(parse_targets(targets).unwrap());
+        let model = fill_adapters(base().with_lora(config.clone(), &device).unwrap());
+        let dir = TempDir::new("gpt-oss");
+        model.save_adapter_dir(&dir.0).unwrap();
+        let json: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.0.join("adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        let parameters: Vec<&str> = config
+            .targets
+            .iter()
+            .filter(|t| t.is_parameter())
+            .map(|t| t.hf_name())
+            .collect();
+        assert_eq!(json["target_parameters"], serde_json::json!(parameters));
+        let bytes = std::fs::read(dir.0.join("adapter_model.safetensors")).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let shape = |name: &str| {
+            st.tensor(&format!("base_model.model.model.layers.1.{name}"))
+                .unwrap_or_else(|e| panic!("{targets}: {name}: {e}"))
+                .shape()
+                .to_vec()
+        };
+        assert_eq!(
+            shape(&format!("{gate_up_module}.lora_A.weight")),
+            [3 * e, h]
+        );
+        assert_eq!(
+            shape(&format!("{gate_up_module}.lora_B.weight")),
+            [2 * inter, 3 * e]
+        );
+        if config.targets.contains(&LoraTarget::ExpertsDown) {
+            assert_eq!(shape("mlp.experts.lora_A.weight"), [3 * e, inter]);
+            assert_eq!(shape("mlp.experts.lora_B.weight"), [h, 3 * e]);
+            assert_eq!(shape("mlp.router.lora_A.weight"), [3, h]);
+            assert_eq!(shape("mlp.router.lora_B.weight"), [e, 3]);
+        }
+        let loaded = base().load_adapter_dir(&dir.0, None, &device).unwrap();
+        assert_eq!(loaded.lora_config(), Some(&config));
+        assert_eq!(adapter_ids(&loaded), adapter_ids(&model));
+        assert!(
+            params(&loaded) == params(&model),
+            "{targets}: values differ after loading"
+        );
+    }
+}
+
 /// Reference logits of a fixture directory (`reference.safetensors`).
 fn reference_of(dir: &Path) -> (Vec<i64>, [usize; 2], Vec<f64>) {
     let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
@@ -397,7 +606,11 @@ fn peft_adapter_gives_peft_logits<B: BastileBackend>(what: &str, base: &str, ada
 
 #[test]
 fn peft_adapters_give_peft_logits() {
-    for (base, adapter) in [("qwen3", "qwen3_lora"), ("llama", "llama_lora")] {
+    for (base, adapter) in [
+        ("qwen3", "qwen3_lora"),
+        ("llama", "llama_lora"),
+        ("gpt_oss", "gpt_oss_lora"),
+    ] {
         peft_adapter_gives_peft_logits::<NdArray>("ndarray", base, adapter);
         if runtime_selected("wgpu", cfg!(feature = "wgpu")) {
             #[cfg(feature = "wgpu")]
@@ -412,55 +625,84 @@ fn peft_adapters_give_peft_logits() {
         }
     }
     // The adapters PEFT wrote check what Bastile saves: saving them again
-    // gives the same tensors under the same names.
+    // gives the same tensors under the same names, and a config naming
+    // the same targets.
     let device = Default::default();
-    let model = CausalLm::<NdArray>::from_hf_dir(fixture("qwen3"), &device)
-        .unwrap()
-        .load_adapter_dir(fixture("qwen3_lora"), None, &device)
-        .unwrap();
-    let dir = TempDir::new("resave");
-    model.save_adapter_dir(&dir.0).unwrap();
-    let ours = std::fs::read(dir.0.join("adapter_model.safetensors")).unwrap();
-    let theirs = std::fs::read(fixture("qwen3_lora").join("adapter_model.safetensors")).unwrap();
-    let (ours, theirs) = (
-        SafeTensors::deserialize(&ours).unwrap(),
-        SafeTensors::deserialize(&theirs).unwrap(),
-    );
-    let mut names: Vec<String> = theirs.names().into_iter().map(String::from).collect();
-    names.sort();
-    let mut our_names: Vec<String> = ours.names().into_iter().map(String::from).collect();
-    our_names.sort();
-    assert_eq!(our_names, names);
-    for name in &names {
-        let (a, b) = (ours.tensor(name).unwrap(), theirs.tensor(name).unwrap());
-        assert_eq!(a.shape(), b.shape(), "{name}");
-        assert_eq!(a.data(), b.data(), "{name}");
+    for (base, adapter) in [("qwen3", "qwen3_lora"), ("gpt_oss", "gpt_oss_lora")] {
+        let model = CausalLm::<NdArray>::from_hf_dir(fixture(base), &device)
+            .unwrap()
+            .load_adapter_dir(fixture(adapter), None, &device)
+            .unwrap();
+        let dir = TempDir::new("resave");
+        model.save_adapter_dir(&dir.0).unwrap();
+        let ours = std::fs::read(dir.0.join("adapter_model.safetensors")).unwrap();
+        let theirs = std::fs::read(fixture(adapter).join("adapter_model.safetensors")).unwrap();
+        let (ours, theirs) = (
+            SafeTensors::deserialize(&ours).unwrap(),
+            SafeTensors::deserialize(&theirs).unwrap(),
+        );
+        let mut names: Vec<String> = theirs.names().into_iter().map(String::from).collect();
+        names.sort();
+        let mut our_names: Vec<String> = ours.names().into_iter().map(String::from).collect();
+        our_names.sort();
+        assert_eq!(our_names, names, "{adapter}");
+        for name in &names {
+            let (a, b) = (ours.tensor(name).unwrap(), theirs.tensor(name).unwrap());
+            assert_eq!(a.shape(), b.shape(), "{adapter}: {name}");
+            assert_eq!(a.data(), b.data(), "{adapter}: {name}");
+        }
+        let config = |dir: &Path| -> serde_json::Value {
+            serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap())
+                .unwrap()
+        };
+        let (ours, theirs) = (config(&dir.0), config(&fixture(adapter)));
+        for key in ["target_modules", "target_parameters"] {
+            let sorted = |v: &serde_json::Value| {
+                let mut names: Vec<String> = v
+                    .as_array()
+                    .map(|a| a.iter().map(|n| n.as_str().unwrap().to_string()).collect())
+                    .unwrap_or_default();
+                names.sort();
+                names
+            };
+            assert_eq!(sorted(&ours[key]), sorted(&theirs[key]), "{adapter}: {key}");
+        }
     }
-    // With BASTILE_LORA_EXPORT=dir, also writes an adapter of the qwen3
-    // fixture and Bastile's logits for `make_lora_fixtures.py --check`.
+    // With BASTILE_LORA_EXPORT=dir, also writes adapters of the qwen3 and
+    // gpt_oss fixtures and Bastile's logits for `make_lora_fixtures.py
+    // --check` (in `dir/qwen3` and `dir/gpt_oss`).
     if let Ok(out) = std::env::var("BASTILE_LORA_EXPORT") {
         export_for_peft(Path::new(&out));
     }
 }
 
-/// An adapter of the qwen3 fixture (rsLoRA, a subset of targets, random
-/// values) and Bastile's logits of the fixture's reference ids, for PEFT
-/// to load and compare.
+/// Adapters of the qwen3 and gpt_oss fixtures (rsLoRA, a subset of
+/// targets, random values) and Bastile's logits of each fixture's
+/// reference ids, for PEFT to load and compare.
 fn export_for_peft(out: &Path) {
+    for (base, targets) in [
+        ("qwen3", "k,o,gate,up"),
+        ("gpt_oss", "v,router,experts.gate_up"),
+    ] {
+        export_adapter(base, targets, &out.join(base));
+    }
+}
+
+fn export_adapter(base: &str, targets: &str, out: &Path) {
     type B = NdArray;
     let device = Default::default();
     let config = LoraConfig::new(5)
         .with_alpha(3.0)
         .with_rslora(true)
-        .with_targets(parse_targets("k,o,gate,up").unwrap());
+        .with_targets(parse_targets(targets).unwrap());
     let model = fill_adapters(
-        CausalLm::<B>::from_hf_dir(fixture("qwen3"), &device)
+        CausalLm::<B>::from_hf_dir(fixture(base), &device)
             .unwrap()
             .with_lora(config, &device)
             .unwrap(),
     );
     model.save_adapter_dir(out).unwrap();
-    let (ids, shape, _) = reference_of(&fixture("qwen3"));
+    let (ids, shape, _) = reference_of(&fixture(base));
     let logits = model
         .logits(Tensor::from_data(TensorData::new(ids, shape), &device))
         .unwrap();
@@ -504,7 +746,79 @@ fn bad_lora_configs_and_adapters_are_errors() {
         LoraConfig::new(4).with_targets(vec![LoraTarget::Gate]),
         &device,
     ));
-    assert!(e.contains("no `gate_proj` projection"), "{e}");
+    assert!(e.contains("no `gate_proj`") && e.contains("router"), "{e}");
+    let e = err(qwen3().with_lora(
+        LoraConfig::new(4).with_targets(parse_targets("q,router").unwrap()),
+        &device,
+    ));
+    assert!(e.contains("no `router`") && e.contains("dense MLP"), "{e}");
+    // PEFT has no dropout on parameters' adapters; Bastile neither.
+    let gpt_oss = || CausalLm::<B>::from_hf_dir(fixture("gpt_oss"), &device).unwrap();
+    let e = err(gpt_oss().with_lora(LoraConfig::new(4).with_dropout(0.1), &device));
+    assert!(e.contains("dropout") && e.contains("router"), "{e}");
+    // PEFT's all-linear on GPT-OSS: the attention projections only.
+    let attention = gpt_oss()
+        .with_lora(
+            LoraConfig::new(2).with_targets(parse_targets("all-linear").unwrap()),
+            &device,
+        )
+        .unwrap();
+    assert_eq!(
+        attention.lora_config().unwrap().targets,
+        parse_targets("q,k,v,o").unwrap()
+    );
+    // A `target_parameters` entry that is not the router's or an
+    // expert's weight (a bare `weight` names every linear layer's too),
+    // and the router named as a module.
+    let dir = TempDir::new("parameters");
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let original: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("gpt_oss_lora").join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    std::fs::copy(
+        fixture("gpt_oss_lora").join("adapter_model.safetensors"),
+        dir.0.join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    for (key, value, message) in [
+        (
+            "target_parameters",
+            serde_json::json!(["weight"]),
+            "`weight` is not one of",
+        ),
+        (
+            "target_parameters",
+            serde_json::json!(["mlp.experts.gate_up_proj_bias"]),
+            "`mlp.experts.gate_up_proj_bias` is not one of",
+        ),
+        (
+            "target_modules",
+            serde_json::json!(["router"]),
+            "not a linear layer",
+        ),
+    ] {
+        let mut json = original.clone();
+        json[key] = value;
+        std::fs::write(dir.0.join("adapter_config.json"), json.to_string()).unwrap();
+        let e = err(gpt_oss().load_adapter_dir(&dir.0, None, &device));
+        assert!(e.contains(message), "{e}");
+    }
+    // The config names the experts' `gate_up_proj` alone while the file
+    // holds both expert weights: `gate_up_proj`'s adapter is then expected
+    // at the outer wrapper's names, which hold `down_proj`'s (another
+    // shape), and the inner wrapper's tensors are unexpected; both named.
+    let mut json = original.clone();
+    json["target_parameters"] =
+        serde_json::json!(["mlp.router.weight", "mlp.experts.gate_up_proj"]);
+    std::fs::write(dir.0.join("adapter_config.json"), json.to_string()).unwrap();
+    let e = err(gpt_oss().load_adapter_dir(&dir.0, None, &device));
+    assert!(
+        e.contains("`base_model.model.model.layers.0.mlp.experts.lora_A.weight` has shape")
+            && e.contains("unexpected tensors")
+            && e.contains("experts.base_layer.lora_A"),
+        "{e}"
+    );
     let twice = qwen3().with_lora(LoraConfig::new(2), &device).unwrap();
     let e = err(twice.with_lora(LoraConfig::new(2), &device));
     assert!(e.contains("already has LoRA adapters"), "{e}");

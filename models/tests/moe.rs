@@ -350,7 +350,7 @@ fn router_load_matches_reference<B: AutodiffBackend + bastile::BastileBackend>(
         let what = |x: &str| format!("{backend}, {routing:?}: router load-balancing {x}");
         let moe = layer::<B>(&case, routing, DType::F32, device);
         let x = tensor::<B, 3>(&case.x, [1, TOKENS, HIDDEN], device);
-        let (_, load) = moe.forward_with_load(x, true).unwrap();
+        let (_, load) = moe.forward_with_load(x, None, true).unwrap();
         let load = load.expect("a router load");
         let weights = RouterLoad::loss_weights(std::slice::from_ref(&load)).unwrap();
         let aux = load.loss_term(weights);
