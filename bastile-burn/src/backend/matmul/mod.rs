@@ -4,6 +4,7 @@
 
 mod kernel;
 
+use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Shape, TensorMetadata};
 
@@ -46,19 +47,25 @@ pub(crate) fn matmul<B: KernelBackend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>)
     }
 }
 
-/// `t` as a matrix `[rows, last]`.
-fn flatten<B: KernelBackend>(t: FloatTensor<B>) -> (FloatTensor<B>, Shape) {
+/// `t` `[..., last]` as the matrix `[rows, last]` (a view).
+pub(crate) fn rows<B: Backend>(t: FloatTensor<B>) -> FloatTensor<B> {
     let shape = t.shape();
     let last = shape[shape.num_dims() - 1];
-    let rows = shape.num_elements() / last.max(1);
-    (B::float_reshape(t, Shape::new([rows, last])), shape)
+    B::float_reshape(t, Shape::new([shape.num_elements() / last.max(1), last]))
 }
 
-/// `t` `[rows, n]` back to `shape` with its last dimension `n`.
-fn unflatten<B: KernelBackend>(t: FloatTensor<B>, mut shape: Shape) -> FloatTensor<B> {
-    let d = shape.num_dims() - 1;
-    shape[d] = t.shape()[1];
-    B::float_reshape(t, shape)
+/// `shape` with its last dimension `columns`: the shape of a product over
+/// the rows of a tensor of `shape`.
+pub(crate) fn with_columns(mut shape: Shape, columns: usize) -> Shape {
+    let last = shape.num_dims() - 1;
+    shape[last] = columns;
+    shape
+}
+
+/// `t` `[rows, n]` back to the rows' `shape`, with its last dimension `n`.
+fn unflatten<B: Backend>(t: FloatTensor<B>, shape: Shape) -> FloatTensor<B> {
+    let columns = t.shape()[1];
+    B::float_reshape(t, with_columns(shape, columns))
 }
 
 /// `x [.., in] · weight [in, out] + bias`: one matrix product over every
@@ -71,8 +78,8 @@ pub(crate) fn linear<B: KernelBackend>(
     if !use_blas::<B>(&x) {
         return B::linear(x, weight, bias);
     }
-    let (x, shape) = flatten::<B>(x);
-    unflatten::<B>(blas::<B>(x, weight, bias), shape)
+    let shape = x.shape();
+    unflatten::<B>(blas::<B>(rows::<B>(x), weight, bias), shape)
 }
 
 /// `dx = dy [.., out] · weightᵀ`.
@@ -83,7 +90,8 @@ pub(crate) fn linear_x_backward<B: KernelBackend>(
     if !use_blas::<B>(&output_grad) {
         return B::linear_x_backward(weight, output_grad);
     }
-    let (dy, shape) = flatten::<B>(output_grad);
+    let shape = output_grad.shape();
+    let dy = rows::<B>(output_grad);
     let weight_t = B::float_swap_dims(weight, 0, 1);
     unflatten::<B>(blas::<B>(dy, weight_t, None), shape)
 }
@@ -97,7 +105,6 @@ pub(crate) fn linear_weight_backward<B: KernelBackend>(
     if !use_blas::<B>(&x) {
         return B::linear_weight_backward(x, output_grad);
     }
-    let (x, _) = flatten::<B>(x);
-    let (dy, _) = flatten::<B>(output_grad);
+    let (x, dy) = (rows::<B>(x), rows::<B>(output_grad));
     blas::<B>(B::float_swap_dims(x, 0, 1), dy, None)
 }

@@ -8,8 +8,8 @@ use burn::tensor::{DType, TensorMetadata};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
-use super::{LinearBackward, backward, rows, with_columns};
-use crate::backend::matmul::{matmul_with_bias, product};
+use super::{LinearBackward, backward};
+use crate::backend::matmul::{matmul_with_bias, product, rows, with_columns};
 use crate::fused::kernel;
 
 type Cube<R, F, I, BT> = CubeBackend<R, F, I, BT>;

@@ -17,8 +17,9 @@ mod kernel;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Device, Shape, Tensor, TensorMetadata};
+use burn::tensor::{DType, Device, Tensor, TensorMetadata};
 
+use crate::backend::matmul::{rows, with_columns};
 use crate::fused::{DTypeQuery, In, KernelBackend, Out, TensorSpec, fused_op};
 use crate::ops::{check_float, check_like_input};
 use crate::patches::Op;
@@ -77,20 +78,6 @@ pub struct Linear;
 pub struct LinearBackward {
     pub input_grad: bool,
     pub weight_grad: bool,
-}
-
-/// `t` `[..., last]` as the matrix `[rows, last]`.
-fn rows<B: Backend>(t: FloatTensor<B>) -> FloatTensor<B> {
-    let shape = t.shape();
-    let last = shape[shape.num_dims() - 1];
-    B::float_reshape(t, Shape::new([shape.num_elements() / last.max(1), last]))
-}
-
-/// The output's shape: `x`'s with `out` columns.
-fn with_columns(mut shape: Shape, columns: usize) -> Shape {
-    let last = shape.num_dims() - 1;
-    shape[last] = columns;
-    shape
 }
 
 /// How a pass multiplies two matrices: `lhs · rhs` written in `dtype`.

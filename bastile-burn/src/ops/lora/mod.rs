@@ -25,6 +25,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Device, Shape, Tensor, TensorMetadata};
 
+use crate::backend::matmul::{rows, with_columns};
 use crate::fused::{DTypeQuery, In, KernelBackend, Out, TensorSpec, fused_op, unpack};
 use crate::ops::{cast_to, check_float, check_like_input, check_same_device, float};
 use crate::patches::Op;
@@ -118,7 +119,8 @@ struct Base<B: Backend> {
     bias: Option<FloatTensor<B>>,
 }
 
-/// Checks the adapter and runs the op on `x` as rows.
+/// Checks the adapter and runs the op on `x` (of any rank: the op views it
+/// as rows, so no reshape node surrounds it).
 fn run<B: BastileBackend, const D: usize>(
     x: Tensor<B, D>,
     base: Option<Base<B>>,
@@ -131,8 +133,8 @@ fn run<B: BastileBackend, const D: usize>(
     check_float("LoRA's B", b.dtype())?;
     check_same_device("the LoRA input", &x.device(), "LoRA's A", &a.device())?;
     check_same_device("LoRA's A", &a.device(), "LoRA's B", &b.device())?;
-    let mut dims = x.dims();
-    let ([input, rank], [rank_b, output]) = (a.dims(), b.dims());
+    let dims = x.dims();
+    let ([input, rank], [rank_b, _]) = (a.dims(), b.dims());
     if D == 0 || dims[D - 1] != input || rank != rank_b || rank == 0 {
         return Err(BastileError::Shape(format!(
             "a LoRA update takes x [..., in], A [in, rank] and B [rank, out] with rank >= 1, \
@@ -146,16 +148,14 @@ fn run<B: BastileBackend, const D: usize>(
             "the LoRA scale must be finite, got {scale}"
         )));
     }
-    let rows = dims[..D - 1].iter().product();
-    let x = x.reshape([rows, input]).into_primitive().tensor();
+    let x = x.into_primitive().tensor();
     let (weight, bias) = match base {
         Some(Base { weight, bias }) => (Some(weight), bias),
         None => (None, None),
     };
     let (a, b) = (a.into_primitive().tensor(), b.into_primitive().tensor());
     let (out, _) = B::run(&Lora { scale }, (x, weight, bias, a, b));
-    dims[D - 1] = output;
-    Ok(float::<B, 2>(out).reshape(dims))
+    Ok(float::<B, D>(out))
 }
 
 /// How a pass multiplies two matrices: `scale · lhs · rhs` written in
@@ -166,7 +166,9 @@ type Product<B> =
 /// How a pass runs the base layer: `x · weight (+ bias)`.
 type BaseProduct<B> = fn(FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>) -> FloatTensor<B>;
 
-/// The forward pass: `(y, x · A, A, B)`, the adapters in `x`'s dtype.
+/// The forward pass: `(y, x · A, A, B)`, the adapters in `x`'s dtype;
+/// the products run over `x`'s rows, `y` has `x`'s shape but its last
+/// dimension, `x · A` is `[rows, rank]`.
 fn forward<B: Backend>(
     (x, weight, bias, a, b): In<Lora, B>,
     scale: f64,
@@ -174,11 +176,13 @@ fn forward<B: Backend>(
     base: BaseProduct<B>,
 ) -> Out<Lora, B> {
     let dtype = x.dtype();
+    let shape = with_columns(x.shape(), b.shape()[1]);
+    let x = rows::<B>(x);
     let (a, b) = (cast_to::<B>(a, dtype), cast_to::<B>(b, dtype));
     let xa = product(x.clone(), a.clone(), 1.0, dtype, None);
     let base = weight.map(|w| base(x, w, bias));
     let y = product(xa.clone(), b.clone(), scale as f32, dtype, base);
-    (y, (xa, a, b))
+    (B::float_reshape(y, shape), (xa, a, b))
 }
 
 /// The backward pass: `(dx, dA, dB)` in the dtypes of `x`, `A` and `B`.
@@ -187,8 +191,8 @@ fn backward<B: Backend>(
     (x, weight, a, b, xa, dy): In<LoraBackward, B>,
     product: Product<B>,
 ) -> Out<LoraBackward, B> {
-    let dtype = x.dtype();
-    let dy = cast_to::<B>(dy, dtype);
+    let (dtype, x_shape) = (x.dtype(), x.shape());
+    let (x, dy) = (rows::<B>(x), rows::<B>(cast_to::<B>(dy, dtype)));
     let t = |m: FloatTensor<B>| B::float_swap_dims(m, 0, 1);
     // The gradient of x · A: s · dy · Bᵀ.
     let dxa = product(dy.clone(), t(b), op.scale as f32, dtype, None);
@@ -196,7 +200,7 @@ fn backward<B: Backend>(
     let dx = product(dxa.clone(), t(a), 1.0, dtype, base);
     let da = product(t(x), dxa, 1.0, op.a_dtype, None);
     let db = product(t(xa), dy, op.scale as f32, op.b_dtype, None);
-    (dx, da, db)
+    (B::float_reshape(dx, x_shape), da, db)
 }
 
 /// The composite products: Burn's matmul in the operands' dtype.
@@ -229,8 +233,8 @@ fn burn_base<B: Backend>(
 }
 
 /// The forward pass, `(x, weight?, bias?, A, B)` to `(y, (x · A, A, B))`:
-/// the rows' output and what the backward pass reads (`x · A` `[rows,
-/// rank]` and the adapters in `x`'s dtype).
+/// the output (`x`'s shape with `out` columns) and what the backward pass
+/// reads (`x · A` `[rows, rank]` and the adapters in `x`'s dtype).
 #[derive(Clone, Copy, Debug)]
 pub struct Lora {
     pub scale: f64,
@@ -249,11 +253,6 @@ fn problem_of<B: Backend>(x: &FloatTensor<B>) -> (Device<B>, DTypeQuery) {
     (B::float_device(x), DTypeQuery { dtype: x.dtype() })
 }
 
-/// A matrix's shape and `dtype`, for declaring a kernel's output.
-fn spec<T: TensorMetadata>(rows: &T, columns: &T, dtype: DType) -> TensorSpec {
-    TensorSpec::new(Shape::new([rows.shape()[0], columns.shape()[1]]), dtype)
-}
-
 fused_op! {
     Lora: Some(Op::Lora),
     (F, Option<F>, Option<F>, F, F) => (F, (F, F, F)), differentiable,
@@ -265,9 +264,11 @@ fused_op! {
 
     fn kernels<K: KernelBackend>(&self, _: (), (x, weight, bias, a, b): In<Self, K>) -> Out<Self, K> {
         let dtype = x.dtype();
+        let x_shape = x.shape();
+        let rows = x_shape.num_elements() / x_shape[x_shape.num_dims() - 1].max(1);
         let outputs = vec![
-            spec(&x, &b, dtype),
-            spec(&x, &a, dtype),
+            TensorSpec::new(with_columns(x_shape, b.shape()[1]), dtype),
+            TensorSpec::new(Shape::new([rows, a.shape()[1]]), dtype),
             TensorSpec::new(a.shape(), dtype),
             TensorSpec::new(b.shape(), dtype),
         ];
