@@ -265,10 +265,10 @@ fused_op! {
     fn kernels<K: KernelBackend>(&self, _: (), (x, weight, bias, a, b): In<Self, K>) -> Out<Self, K> {
         let dtype = x.dtype();
         let x_shape = x.shape();
-        let rows = x_shape.num_elements() / x_shape[x_shape.num_dims() - 1].max(1);
+        let row_count = x_shape.num_elements() / x_shape[x_shape.num_dims() - 1].max(1);
         let outputs = vec![
             TensorSpec::new(with_columns(x_shape, b.shape()[1]), dtype),
-            TensorSpec::new(Shape::new([rows, a.shape()[1]]), dtype),
+            TensorSpec::new(Shape::new([row_count, a.shape()[1]]), dtype),
             TensorSpec::new(a.shape(), dtype),
             TensorSpec::new(b.shape(), dtype),
         ];
