@@ -92,6 +92,13 @@ impl LoraTarget {
         LoraTarget::Down,
     ];
 
+    /// GPT-OSS's router and expert weights (PEFT's `target_parameters`).
+    const PARAMETERS: [LoraTarget; 3] = [
+        LoraTarget::Router,
+        LoraTarget::ExpertsGateUp,
+        LoraTarget::ExpertsDown,
+    ];
+
     /// The HF name PEFT's config gives the target: the module's name in
     /// `target_modules` (`q_proj`), the parameter's path below the layer
     /// in `target_parameters` (`mlp.experts.gate_up_proj`).
@@ -113,10 +120,7 @@ impl LoraTarget {
     /// Whether PEFT targets it as a parameter (`target_parameters`), not
     /// as a linear layer.
     pub fn is_parameter(self) -> bool {
-        matches!(
-            self,
-            LoraTarget::Router | LoraTarget::ExpertsGateUp | LoraTarget::ExpertsDown
-        )
+        Self::PARAMETERS.contains(&self)
     }
 
     /// The names a target list may give it, the one messages use first:
@@ -200,9 +204,8 @@ impl LoraTarget {
             let path = t.hf_name();
             path == entry || path.ends_with(&format!(".{entry}"))
         };
-        match Self::ALL
+        match Self::PARAMETERS
             .into_iter()
-            .filter(|t| t.is_parameter())
             .filter(names_one)
             .collect::<Vec<_>>()[..]
         {
@@ -211,12 +214,7 @@ impl LoraTarget {
             _ => Err(ModelError::Config(format!(
                 "`target_parameters` entry `{entry}` is not one of GPT-OSS's router and expert \
                  weights ({}), the parameters Bastile adapts",
-                Self::ALL
-                    .into_iter()
-                    .filter(|t| t.is_parameter())
-                    .map(|t| t.hf_name())
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                Self::PARAMETERS.map(|t| t.hf_name()).join(", ")
             ))),
         }
     }
@@ -226,8 +224,7 @@ impl LoraTarget {
     fn in_model(self, experts: bool) -> bool {
         match self {
             LoraTarget::Gate | LoraTarget::Up | LoraTarget::Down => !experts,
-            LoraTarget::Router | LoraTarget::ExpertsGateUp | LoraTarget::ExpertsDown => experts,
-            _ => true,
+            t => experts || !t.is_parameter(),
         }
     }
 }
@@ -773,7 +770,9 @@ impl PeftConfig {
             alpha_pattern: Some(Value::Object(Default::default())),
             lora_bias: false,
             exclude_modules: None,
-            target_parameters: Some(Value::from(names(true))).filter(|_| !names(true).is_empty()),
+            target_parameters: Some(names(true))
+                .filter(|names| !names.is_empty())
+                .map(Value::from),
             layer_replication: None,
             trainable_token_indices: None,
             base_model_name_or_path: config.base_model.clone(),

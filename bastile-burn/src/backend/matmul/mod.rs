@@ -47,11 +47,17 @@ pub(crate) fn matmul<B: KernelBackend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>)
     }
 }
 
+/// The rows of a tensor of `shape` `[..., last]`: the product of its
+/// leading dimensions.
+pub(crate) fn row_count(shape: &Shape) -> usize {
+    shape.num_elements() / shape[shape.num_dims() - 1].max(1)
+}
+
 /// `t` `[..., last]` as the matrix `[rows, last]` (a view).
 pub(crate) fn rows<B: Backend>(t: FloatTensor<B>) -> FloatTensor<B> {
     let shape = t.shape();
     let last = shape[shape.num_dims() - 1];
-    B::float_reshape(t, Shape::new([shape.num_elements() / last.max(1), last]))
+    B::float_reshape(t, Shape::new([row_count(&shape), last]))
 }
 
 /// `shape` with its last dimension `columns`: the shape of a product over

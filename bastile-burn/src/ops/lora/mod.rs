@@ -25,7 +25,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Device, Shape, Tensor, TensorMetadata};
 
-use crate::backend::matmul::{rows, with_columns};
+use crate::backend::matmul::{row_count, rows, with_columns};
 use crate::fused::{DTypeQuery, In, KernelBackend, Out, TensorSpec, fused_op, unpack};
 use crate::ops::{cast_to, check_float, check_like_input, check_same_device, float};
 use crate::patches::Op;
@@ -265,10 +265,9 @@ fused_op! {
     fn kernels<K: KernelBackend>(&self, _: (), (x, weight, bias, a, b): In<Self, K>) -> Out<Self, K> {
         let dtype = x.dtype();
         let x_shape = x.shape();
-        let row_count = x_shape.num_elements() / x_shape[x_shape.num_dims() - 1].max(1);
         let outputs = vec![
-            TensorSpec::new(with_columns(x_shape, b.shape()[1]), dtype),
-            TensorSpec::new(Shape::new([row_count, a.shape()[1]]), dtype),
+            TensorSpec::new(with_columns(x_shape.clone(), b.shape()[1]), dtype),
+            TensorSpec::new(Shape::new([row_count(&x_shape), a.shape()[1]]), dtype),
             TensorSpec::new(a.shape(), dtype),
             TensorSpec::new(b.shape(), dtype),
         ];
