@@ -39,8 +39,10 @@
 //!   layer with a LoRA adapter) and
 //!   [`lora_update`] (the adapter alone), [`embedding`] (the token
 //!   lookup, whose gradient is added into a tied output layer's in place,
-//!   see also [`add_embedding_grad`]) and [`gather_rows`] (rows gathered by an
-//!   index whose inverse gathers their gradient back: routed experts).
+//!   see also [`add_embedding_grad`]), [`gather_rows`] (rows gathered by an
+//!   index whose inverse gathers their gradient back: routed experts) and
+//!   [`router_top_k`] (a router's top-k experts and their softmax weights,
+//!   chosen on the device).
 //! * [`apply`], [`reset`], [`patched_ops`] switch ops on and off at run time;
 //!   a disabled op takes the composite path.
 //! * [`nn`] has drop-in replacements for the matching `burn::nn` modules.
@@ -81,6 +83,7 @@ pub use ops::linear_cross_entropy::{LinearGrads, linear_cross_entropy};
 pub use ops::lora::{lora_linear, lora_update};
 pub use ops::rms_norm::rms_norm;
 pub use ops::rope::{RopeLayout, RopeOptions, RopePairing, RopeTables, rope, rope_one};
+pub use ops::router::router_top_k;
 pub use ops::swiglu::{GluTensors, swiglu, swiglu_packed};
 pub use patches::{Op, Patches, apply, patched_ops, reset};
 

@@ -94,7 +94,8 @@ pub struct Patches {
     /// existing one (tied embeddings: one `[vocab, hidden]` buffer).
     pub embedding: bool,
     /// Routed experts' row gathers ([`crate::gather_rows`]) whose gradients
-    /// are gathered back instead of scattered row by row.
+    /// are gathered back instead of scattered row by row, and the router's
+    /// top-k choice on the device ([`crate::router_top_k`]).
     pub moe: bool,
 }
 

@@ -18,5 +18,6 @@ mod patches;
 mod reduce;
 mod rms_norm;
 mod rope;
+mod router;
 mod streams;
 mod swiglu;

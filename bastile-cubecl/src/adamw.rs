@@ -538,10 +538,9 @@ pub fn norm_slots<R: Runtime>(client: &ComputeClient<R>, len: usize) -> usize {
 
 /// Sums the squares of the gradients of the launch: cube `c` sums the
 /// `per_cube[t]` vectors of its share of gradient `t` (`first_cube[t] <= c
-/// < first_cube[t + 1]`) into `partials[offset + c]`. Only the load is
-/// written once per gradient: the arithmetic is written once, on the value
-/// the cube's own gradient gave (a norm launch then takes 32 gradients and
-/// compiles in about a third of a second).
+/// < first_cube[t + 1]`) into `partials[offset + c]`. A sequence's tensors
+/// are picked at compile time, so the summing loop is written once per
+/// gradient, inside the branch of the cube's own.
 #[cube(launch_unchecked)]
 fn sum_squares_kernel<G: Float, N: Size>(
     grads: &Sequence<Tensor<Vector<G, N>>>,
@@ -565,19 +564,35 @@ fn sum_squares_kernel<G: Float, N: Size>(
         }
     }
     let start = (cube - first) * chunk;
+    let end = select(start + chunk < n, start + chunk, n);
+    let span = select(start < end, end - start, 0usize);
     let mut acc = Vector::<f32, N>::new(0.0);
-    for k in 0..chunk.div_ceil(units) {
-        let i = start + k * units + UNIT_POS as usize;
-        if i < start + chunk && i < n {
-            let mut grad = Vector::<G, N>::new(G::cast_from(0.0f32));
-            #[unroll]
-            for t in 0..count {
-                if own == t {
-                    grad = grads.index(t)[i];
+    // The loop sits inside the gradient's branch, with four loads a round
+    // in flight per unit: a branch per load (the gradient picked for each
+    // vector) kept one load in flight and held the sum to a quarter of the
+    // memory bandwidth.
+    let rounds = span / (4 * units);
+    let rest = start + rounds * 4 * units;
+    #[unroll]
+    for t in 0..count {
+        if own == t {
+            let grad = grads.index(t);
+            for r in 0..rounds {
+                let i = start + r * 4 * units + UNIT_POS as usize;
+                let a = Vector::<f32, N>::cast_from(grad[i]);
+                let b = Vector::<f32, N>::cast_from(grad[i + units]);
+                let c = Vector::<f32, N>::cast_from(grad[i + 2 * units]);
+                let d = Vector::<f32, N>::cast_from(grad[i + 3 * units]);
+                acc += a * a + b * b + c * c + d * d;
+            }
+            let left = select(rest < end, end - rest, 0usize);
+            for k in 0..left.div_ceil(units) {
+                let i = rest + k * units + UNIT_POS as usize;
+                if i < end {
+                    let g = Vector::<f32, N>::cast_from(grad[i]);
+                    acc += g * g;
                 }
             }
-            let g = Vector::<f32, N>::cast_from(grad);
-            acc += g * g;
         }
     }
     let mut scratch = SharedMemory::<f32>::new(cfg.slots as usize);

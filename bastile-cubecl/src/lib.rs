@@ -23,6 +23,7 @@ pub mod reduce;
 pub mod reference;
 pub mod rms_norm;
 pub mod rope;
+pub mod router;
 pub mod rows;
 pub mod swiglu;
 #[cfg(any(test, feature = "testing"))]

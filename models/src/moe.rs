@@ -11,7 +11,7 @@
 //! LoRA adapters ([`MlpAdapters`]) add their updates to the router's
 //! logits and to each expert's products.
 
-use bastile::{BastileBackend, gather_rows, geglu_oss};
+use bastile::{BastileBackend, gather_rows, geglu_oss, router_top_k};
 use burn::module::{Module, Param};
 use burn::nn::{Initializer, Linear, LinearConfig};
 use burn::tensor::activation::softmax;
@@ -107,10 +107,10 @@ impl<B: BastileBackend> Moe<B> {
         let router = adapters.and_then(|a| a.router.as_ref());
         let experts = adapters.map(|a| &a.experts);
         let logits = project(&self.router, router, x.clone())?;
-        let (top, chosen) = logits.clone().topk_with_indices(self.top_k, 1);
+        // The k largest logits' experts and the softmax over those k, chosen
+        // on the device.
+        let (weights, chosen) = router_top_k(logits.clone(), self.top_k)?;
         let load = router_load.then(|| RouterLoad::new(logits.clone(), chosen.clone()));
-        // Softmax over the k chosen logits.
-        let weights = softmax(top, 1);
         let out = match self.routing {
             ExpertRouting::Dense => self.dense(x, logits, weights, chosen, experts)?,
             ExpertRouting::Routed => self.routed(x, weights, chosen, experts)?,

@@ -20,6 +20,7 @@ const GPU_TESTS: &[&str] = &[
     "cross_entropy",
     "embedding",
     "gather_rows",
+    "router",
     "lora",
     "reduce",
     "streams",

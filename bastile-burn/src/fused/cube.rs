@@ -5,8 +5,10 @@
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::{cast, into_contiguous};
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::ops::reshape;
 use burn_cubecl::tensor::CubeTensor;
+use burn_std::{Metadata, Strides};
 
 use bastile_cubecl::launch::gcd;
 use bastile_cubecl::rows::Rows;
@@ -94,10 +96,44 @@ pub(crate) fn contiguous_i32<R: CubeRuntime>(ints: CubeTensor<R>) -> CubeTensor<
     into_contiguous(ints)
 }
 
+/// A new contiguous tensor on `x`'s device. Contiguous rather than
+/// CubeCL's default pitched layout (rows padded to up to 512 bytes: 2880
+/// bf16 columns take 3072), which Burn's reshapes and the optimizer would
+/// copy back to contiguous.
 pub(crate) fn empty_like<R: CubeRuntime>(
     x: &CubeTensor<R>,
     shape: Shape,
     dtype: DType,
 ) -> CubeTensor<R> {
-    empty_device_dtype(x.client.clone(), x.device.clone(), shape, dtype)
+    empty_device_contiguous_dtype(x.client.clone(), x.device.clone(), shape, dtype)
+}
+
+/// `t` with another shape and strides over the same buffer.
+pub(crate) fn view<R: CubeRuntime>(
+    t: &CubeTensor<R>,
+    shape: &[usize],
+    strides: &[usize],
+) -> CubeTensor<R> {
+    CubeTensor::new(
+        t.client.clone(),
+        t.handle.clone(),
+        Metadata::new(Shape::from(shape.to_vec()), Strides::new(strides)),
+        t.device.clone(),
+        t.dtype,
+    )
+}
+
+/// The tensor as the matrix of its last dimension's rows, `[rows, last]`:
+/// a view when its rows are evenly spaced (a pitched layout included,
+/// which Burn's reshape would copy), else a reshape.
+pub(crate) fn rows_view<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
+    let shape = t.shape();
+    let (rows, last) = rows_cols(&shape);
+    match row_layout(&shape, t.meta.strides()) {
+        Some((_, pitch)) if shape.num_dims() != 2 || pitch != t.meta.strides()[0] => {
+            view(&t, &[rows, last], &[pitch, 1])
+        }
+        Some(_) => t,
+        None => reshape(t, Shape::new([rows, last])),
+    }
 }

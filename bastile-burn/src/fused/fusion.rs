@@ -9,6 +9,7 @@ use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime, FusionTensor};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr, TensorStatus};
 
+use super::kernel::split_outputs;
 use super::{DeviceQuery, Kernel, KernelBackend, TensorSpec};
 
 /// A recorded kernel: its inputs and outputs as the stream knows them.
@@ -16,8 +17,9 @@ struct Recorded<B, K> {
     desc: CustomOpIr,
     /// The first `floats` inputs are float tensors, the rest int tensors.
     floats: usize,
-    /// Whether the outputs are int tensors (else float tensors).
-    int_outputs: bool,
+    /// The first `float_outputs` outputs are float tensors, the rest int
+    /// tensors.
+    float_outputs: usize,
     kernel: K,
     outputs: Vec<TensorSpec>,
     _backend: core::marker::PhantomData<fn() -> B>,
@@ -43,22 +45,31 @@ impl<B: FusionBackend + KernelBackend, K: Kernel> Operation<B::FusionRuntime> fo
             .iter()
             .map(|ir| handles.get_int_tensor::<B>(ir))
             .collect();
-        let ids = self.desc.outputs.iter().map(|ir| &ir.id);
-        let count = if self.int_outputs {
-            let outputs = B::launch_ints(&self.kernel, ints, self.outputs.clone());
-            let count = outputs.len();
-            for (id, out) in ids.zip(outputs) {
-                handles.register_int_tensor::<B>(id, out);
-            }
-            count
-        } else {
-            let outputs = B::launch(&self.kernel, floats, ints, self.outputs.clone());
-            let count = outputs.len();
-            for (id, out) in ids.zip(outputs) {
-                handles.register_float_tensor::<B>(id, out);
-            }
-            count
+        let (float_specs, int_specs) = self.outputs.split_at(self.float_outputs);
+        let (float_outputs, int_outputs) = match (float_specs.is_empty(), int_specs.is_empty()) {
+            (true, false) => (
+                vec![],
+                B::launch_ints(&self.kernel, ints, int_specs.to_vec()),
+            ),
+            (_, true) => (
+                B::launch(&self.kernel, floats, ints, float_specs.to_vec()),
+                vec![],
+            ),
+            (false, false) => B::launch_split(
+                &self.kernel,
+                floats,
+                float_specs.to_vec(),
+                int_specs.to_vec(),
+            ),
         };
+        let count = float_outputs.len() + int_outputs.len();
+        let (float_ids, int_ids) = self.desc.outputs.split_at(self.float_outputs);
+        for (ir, out) in float_ids.iter().zip(float_outputs) {
+            handles.register_float_tensor::<B>(&ir.id, out);
+        }
+        for (ir, out) in int_ids.iter().zip(int_outputs) {
+            handles.register_int_tensor::<B>(&ir.id, out);
+        }
         assert_eq!(
             count,
             self.desc.outputs.len(),
@@ -79,7 +90,8 @@ impl<B: FusionBackend + KernelBackend> KernelBackend for Fusion<B> {
         ints: Vec<IntTensor<Self>>,
         outputs: Vec<TensorSpec>,
     ) -> Vec<FloatTensor<Self>> {
-        record::<B, K>(kernel, floats, ints, outputs, false)
+        let float_outputs = outputs.len();
+        record::<B, K>(kernel, floats, ints, outputs, float_outputs)
     }
 
     fn launch_ints<K: Kernel>(
@@ -87,18 +99,30 @@ impl<B: FusionBackend + KernelBackend> KernelBackend for Fusion<B> {
         ints: Vec<IntTensor<Self>>,
         outputs: Vec<TensorSpec>,
     ) -> Vec<IntTensor<Self>> {
-        record::<B, K>(kernel, vec![], ints, outputs, true)
+        record::<B, K>(kernel, vec![], ints, outputs, 0)
+    }
+
+    fn launch_split<K: Kernel>(
+        kernel: &K,
+        floats: Vec<FloatTensor<Self>>,
+        float_outputs: Vec<TensorSpec>,
+        int_outputs: Vec<TensorSpec>,
+    ) -> (Vec<FloatTensor<Self>>, Vec<IntTensor<Self>>) {
+        let split = float_outputs.len();
+        split_outputs(float_outputs, int_outputs, |outputs| {
+            record::<B, K>(kernel, floats, vec![], outputs, split)
+        })
     }
 }
 
 /// Records `kernel` on the stream of its inputs, returning its outputs
-/// (int tensors when `int_outputs`, else float tensors).
+/// (the first `float_outputs` float tensors, the rest int tensors).
 fn record<B: FusionBackend + KernelBackend, K: Kernel>(
     kernel: &K,
     floats: Vec<FusionTensor<B::FusionRuntime>>,
     ints: Vec<FusionTensor<B::FusionRuntime>>,
     outputs: Vec<TensorSpec>,
-    int_outputs: bool,
+    float_outputs: usize,
 ) -> Vec<FusionTensor<B::FusionRuntime>> {
     let client = floats
         .iter()
@@ -141,7 +165,7 @@ fn record<B: FusionBackend + KernelBackend, K: Kernel>(
         Recorded::<B, K> {
             desc: recorded,
             floats: n_floats,
-            int_outputs,
+            float_outputs,
             kernel: kernel.clone(),
             outputs,
             _backend: core::marker::PhantomData,

@@ -107,6 +107,18 @@ pub trait KernelBackend: Backend {
     ) -> Vec<IntTensor<Self>> {
         unreachable!("{} launched on a backend without kernels", K::NAME)
     }
+
+    /// Launches `kernel` for float tensors followed by int tensors (a
+    /// choice and its indices): `float_outputs` and `int_outputs` are what
+    /// it returns, in that order.
+    fn launch_split<K: Kernel>(
+        _kernel: &K,
+        _floats: Vec<FloatTensor<Self>>,
+        _float_outputs: Vec<TensorSpec>,
+        _int_outputs: Vec<TensorSpec>,
+    ) -> (Vec<FloatTensor<Self>>, Vec<IntTensor<Self>>) {
+        unreachable!("{} launched on a backend without kernels", K::NAME)
+    }
 }
 
 impl KernelBackend for NdArray {}
@@ -134,6 +146,31 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KernelBack
     ) -> Vec<IntTensor<Self>> {
         checked_outputs::<R, K>(kernel.launch::<R, F, I, BT>(vec![], ints), outputs)
     }
+
+    fn launch_split<K: Kernel>(
+        kernel: &K,
+        floats: Vec<FloatTensor<Self>>,
+        float_outputs: Vec<TensorSpec>,
+        int_outputs: Vec<TensorSpec>,
+    ) -> (Vec<FloatTensor<Self>>, Vec<IntTensor<Self>>) {
+        split_outputs(float_outputs, int_outputs, |declared| {
+            checked_outputs::<R, K>(kernel.launch::<R, F, I, BT>(floats, vec![]), declared)
+        })
+    }
+}
+
+/// Runs `launch` on the float outputs' specs followed by the int outputs'
+/// (one list, as kernels return them) and splits what it returns the same
+/// way.
+pub(super) fn split_outputs<T>(
+    float_outputs: Vec<TensorSpec>,
+    int_outputs: Vec<TensorSpec>,
+    launch: impl FnOnce(Vec<TensorSpec>) -> Vec<T>,
+) -> (Vec<T>, Vec<T>) {
+    let split = float_outputs.len();
+    let mut floats = launch(float_outputs.into_iter().chain(int_outputs).collect());
+    let ints = floats.split_off(split);
+    (floats, ints)
 }
 
 /// A kernel's outputs, checked (in debug builds) against the shapes and

@@ -14,6 +14,7 @@ pub mod lora;
 pub mod reduce;
 pub mod rms_norm;
 pub mod rope;
+pub mod router;
 pub mod swiglu;
 
 use burn::tensor::backend::Backend;

@@ -12,4 +12,5 @@ pub mod geglu;
 pub mod lora;
 pub mod rms_norm;
 pub mod rope;
+pub mod router;
 pub mod swiglu;

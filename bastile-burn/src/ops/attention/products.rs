@@ -20,7 +20,6 @@ use burn_cubecl::kernel::{cast, into_contiguous, slice};
 use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, zeros_client};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-use burn_std::{Metadata, Strides};
 
 use bastile_cubecl::attention::{
     self, AttentionBackwardBuffers, AttentionProblem, BlockGradBuffers, BlockSoftmaxBuffers,
@@ -30,21 +29,10 @@ use bastile_cubecl::attention::{
 use super::kernel::{Forwarded, checked_problem, heads, sinks_f32};
 use super::{AttentionGrads, AttentionSpec};
 use crate::backend::matmul::matmul_blas;
-use crate::fused::cube::contiguous_i32;
+use crate::fused::cube::{contiguous_i32, view};
 use crate::launch_failure::launch;
 
 type Inner<R, F, I, BT> = CubeBackend<R, F, I, BT>;
-
-/// `t` with another shape and strides over the same buffer.
-fn view<R: CubeRuntime>(t: &CubeTensor<R>, shape: &[usize], strides: &[usize]) -> CubeTensor<R> {
-    CubeTensor::new(
-        t.client.clone(),
-        t.handle.clone(),
-        Metadata::new(Shape::from(shape.to_vec()), Strides::new(strides)),
-        t.device.clone(),
-        t.dtype,
-    )
-}
 
 /// Query-side `[b, h, rows, d]` as `[b, kv_heads, group, rows, d]`.
 fn grouped<R: CubeRuntime>(t: &CubeTensor<R>, kv_heads: usize) -> CubeTensor<R> {

@@ -35,7 +35,12 @@ impl<B: BastileBackend> Backward<B, 1> for Node {
         let grad = grads.remove::<B>(&weight).unwrap_or_else(|| {
             let shape: Shape = weight.primitive.shape();
             let device = B::float_device(&weight.primitive);
-            B::float_zeros(shape, &device, weight.primitive.dtype().into())
+            // Zeros made flat, then viewed as rows: contiguous, where CubeCL
+            // pads a matrix's rows (2880 bf16 columns take 3072) and the
+            // optimizer would copy the vocabulary-sized gradient back.
+            let flat = Shape::new([shape.num_elements()]);
+            let zeros = B::float_zeros(flat, &device, weight.primitive.dtype().into());
+            B::float_reshape(zeros, shape)
         });
         grads.register::<B>(parent.id, add_rows::<B>(grad, ids, dout));
     }

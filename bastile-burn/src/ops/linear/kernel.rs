@@ -1,5 +1,6 @@
 //! The linear layer's passes on `CubeBackend`, each one custom op of a
-//! fusion stream: the views of the input and output are metadata here, and
+//! fusion stream: the views of the input and output are metadata here
+//! (rows of a pitched input too), and
 //! the products run on cuBLASLt where it takes them, on CubeCL's matmul
 //! elsewhere.
 
@@ -9,7 +10,8 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 use super::{LinearBackward, backward};
-use crate::backend::matmul::{matmul_with_bias, product, rows, with_columns};
+use crate::backend::matmul::{matmul_with_bias, product, with_columns};
+use crate::fused::cube::rows_view;
 use crate::fused::kernel;
 
 type Cube<R, F, I, BT> = CubeBackend<R, F, I, BT>;
@@ -34,7 +36,7 @@ kernel!(LinearForward, "bastile_linear_forward", |op, floats, _| {
     let weight = floats.next().expect("the weight");
     let bias = op.has_bias.then(|| floats.next().expect("the bias"));
     let shape = with_columns(x.shape(), weight.shape()[1]);
-    let y = matmul_with_bias::<R, F, I, BT>(rows::<Cube<R, F, I, BT>>(x), weight, bias);
+    let y = matmul_with_bias::<R, F, I, BT>(rows_view(x), weight, bias);
     vec![Cube::<R, F, I, BT>::float_reshape(y, shape)]
 });
 
@@ -50,8 +52,11 @@ kernel!(
     "bastile_linear_backward",
     |k, floats, _| {
         let [x, weight, dy] = crate::fused::unpack(floats);
-        let (dx, dw) =
-            backward::<Cube<R, F, I, BT>>(&k.op, (x, weight, dy), cube_product::<R, F, I, BT>);
+        // The passes see row views: no copy of a pitched input.
+        let x_shape = x.shape();
+        let input = (rows_view(x), weight, rows_view(dy));
+        let (dx, dw) = backward::<Cube<R, F, I, BT>>(&k.op, input, cube_product::<R, F, I, BT>);
+        let dx = dx.map(|dx| Cube::<R, F, I, BT>::float_reshape(dx, x_shape));
         dx.into_iter().chain(dw).collect()
     }
 );

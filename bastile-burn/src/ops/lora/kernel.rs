@@ -3,12 +3,14 @@
 //! cuBLASLt where it takes them (scale and sums in the epilogue), on
 //! CubeCL's matmul elsewhere.
 
-use burn::tensor::DType;
+use burn::tensor::ops::FloatTensorOps;
+use burn::tensor::{DType, TensorMetadata};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 use super::{LoraBackward, backward, forward};
-use crate::backend::matmul::{matmul_with_bias, product};
+use crate::backend::matmul::{matmul_with_bias, product, with_columns};
+use crate::fused::cube::rows_view;
 use crate::fused::kernel;
 
 fn cube_product<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
@@ -37,13 +39,21 @@ kernel!(LoraForward, "bastile_lora_forward", |op, floats, _| {
     let weight = next(op.has_weight);
     let bias = next(op.has_bias);
     let (a, b) = (next(true).expect("A"), next(true).expect("B"));
+    // The passes see a row view: no copy of a pitched input.
+    let x_shape = x.shape();
     let (y, (xa, a, b)) = forward::<CubeBackend<R, F, I, BT>>(
-        (x, weight, bias, a, b),
+        (rows_view(x), weight, bias, a, b),
         op.scale,
         cube_product::<R, F, I, BT>,
         matmul_with_bias::<R, F, I, BT>,
     );
-    vec![y, xa, a, b]
+    let y_shape = with_columns(x_shape, y.shape()[1]);
+    vec![
+        CubeBackend::<R, F, I, BT>::float_reshape(y, y_shape),
+        xa,
+        a,
+        b,
+    ]
 });
 
 /// The backward pass. Inputs: `x, weight?, A, B, x · A, dy`; outputs:
@@ -63,11 +73,16 @@ kernel!(
         let x = next(true).expect("the input");
         let weight = next(k.has_weight);
         let [a, b, xa, dy] = [(); 4].map(|_| next(true).expect("a LoRA input"));
+        let x_shape = x.shape();
         let (dx, da, db) = backward::<CubeBackend<R, F, I, BT>>(
             &k.op,
-            (x, weight, a, b, xa, dy),
+            (rows_view(x), weight, a, b, xa, rows_view(dy)),
             cube_product::<R, F, I, BT>,
         );
-        vec![dx, da, db]
+        vec![
+            CubeBackend::<R, F, I, BT>::float_reshape(dx, x_shape),
+            da,
+            db,
+        ]
     }
 );
