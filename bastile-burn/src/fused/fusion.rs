@@ -46,22 +46,13 @@ impl<B: FusionBackend + KernelBackend, K: Kernel> Operation<B::FusionRuntime> fo
             .map(|ir| handles.get_int_tensor::<B>(ir))
             .collect();
         let (float_specs, int_specs) = self.outputs.split_at(self.float_outputs);
-        let (float_outputs, int_outputs) = match (float_specs.is_empty(), int_specs.is_empty()) {
-            (true, false) => (
-                vec![],
-                B::launch_ints(&self.kernel, ints, int_specs.to_vec()),
-            ),
-            (_, true) => (
-                B::launch(&self.kernel, floats, ints, float_specs.to_vec()),
-                vec![],
-            ),
-            (false, false) => B::launch_split(
-                &self.kernel,
-                floats,
-                float_specs.to_vec(),
-                int_specs.to_vec(),
-            ),
-        };
+        let (float_outputs, int_outputs) = B::launch_split(
+            &self.kernel,
+            floats,
+            ints,
+            float_specs.to_vec(),
+            int_specs.to_vec(),
+        );
         let count = float_outputs.len() + int_outputs.len();
         let (float_ids, int_ids) = self.desc.outputs.split_at(self.float_outputs);
         for (ir, out) in float_ids.iter().zip(float_outputs) {
@@ -105,12 +96,13 @@ impl<B: FusionBackend + KernelBackend> KernelBackend for Fusion<B> {
     fn launch_split<K: Kernel>(
         kernel: &K,
         floats: Vec<FloatTensor<Self>>,
+        ints: Vec<IntTensor<Self>>,
         float_outputs: Vec<TensorSpec>,
         int_outputs: Vec<TensorSpec>,
     ) -> (Vec<FloatTensor<Self>>, Vec<IntTensor<Self>>) {
         let split = float_outputs.len();
         split_outputs(float_outputs, int_outputs, |outputs| {
-            record::<B, K>(kernel, floats, vec![], outputs, split)
+            record::<B, K>(kernel, floats, ints, outputs, split)
         })
     }
 }

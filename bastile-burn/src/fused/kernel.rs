@@ -110,10 +110,12 @@ pub trait KernelBackend: Backend {
 
     /// Launches `kernel` for float tensors followed by int tensors (a
     /// choice and its indices): `float_outputs` and `int_outputs` are what
-    /// it returns, in that order.
+    /// it returns, in that order. The general form of the two above, which
+    /// a fusion stream's recorded kernels run through.
     fn launch_split<K: Kernel>(
         _kernel: &K,
         _floats: Vec<FloatTensor<Self>>,
+        _ints: Vec<IntTensor<Self>>,
         _float_outputs: Vec<TensorSpec>,
         _int_outputs: Vec<TensorSpec>,
     ) -> (Vec<FloatTensor<Self>>, Vec<IntTensor<Self>>) {
@@ -150,11 +152,12 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KernelBack
     fn launch_split<K: Kernel>(
         kernel: &K,
         floats: Vec<FloatTensor<Self>>,
+        ints: Vec<IntTensor<Self>>,
         float_outputs: Vec<TensorSpec>,
         int_outputs: Vec<TensorSpec>,
     ) -> (Vec<FloatTensor<Self>>, Vec<IntTensor<Self>>) {
         split_outputs(float_outputs, int_outputs, |declared| {
-            checked_outputs::<R, K>(kernel.launch::<R, F, I, BT>(floats, vec![]), declared)
+            checked_outputs::<R, K>(kernel.launch::<R, F, I, BT>(floats, ints), declared)
         })
     }
 }

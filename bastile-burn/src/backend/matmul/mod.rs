@@ -53,6 +53,11 @@ pub(crate) fn row_count(shape: &Shape) -> usize {
     shape.num_elements() / shape[shape.num_dims() - 1].max(1)
 }
 
+/// How a pass views a tensor `[..., last]` as the matrix `[rows, last]`:
+/// [`rows`] on any backend, `fused::cube::rows_view` in kernels (which
+/// keeps a pitched layout's rows in place).
+pub(crate) type RowsOf<B> = fn(FloatTensor<B>) -> FloatTensor<B>;
+
 /// `t` `[..., last]` as the matrix `[rows, last]` (a view).
 pub(crate) fn rows<B: Backend>(t: FloatTensor<B>) -> FloatTensor<B> {
     let shape = t.shape();

@@ -52,11 +52,12 @@ kernel!(
     "bastile_linear_backward",
     |k, floats, _| {
         let [x, weight, dy] = crate::fused::unpack(floats);
-        // The passes see row views: no copy of a pitched input.
-        let x_shape = x.shape();
-        let input = (rows_view(x), weight, rows_view(dy));
-        let (dx, dw) = backward::<Cube<R, F, I, BT>>(&k.op, input, cube_product::<R, F, I, BT>);
-        let dx = dx.map(|dx| Cube::<R, F, I, BT>::float_reshape(dx, x_shape));
+        let (dx, dw) = backward::<Cube<R, F, I, BT>>(
+            &k.op,
+            (x, weight, dy),
+            cube_product::<R, F, I, BT>,
+            rows_view::<R>,
+        );
         dx.into_iter().chain(dw).collect()
     }
 );

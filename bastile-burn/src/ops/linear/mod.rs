@@ -19,7 +19,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Device, Tensor, TensorMetadata};
 
-use crate::backend::matmul::{rows, with_columns};
+use crate::backend::matmul::{RowsOf, rows, with_columns};
 use crate::fused::{DTypeQuery, In, KernelBackend, Out, TensorSpec, fused_op};
 use crate::ops::{check_float, check_like_input};
 use crate::patches::Op;
@@ -87,17 +87,18 @@ fn backward<B: Backend>(
     op: &LinearBackward,
     (x, weight, dy): In<LinearBackward, B>,
     product: Product<B>,
+    rows: RowsOf<B>,
 ) -> Out<LinearBackward, B> {
     let t = |m: FloatTensor<B>| B::float_swap_dims(m, 0, 1);
     let x_shape = x.shape();
-    let dy = rows::<B>(dy);
+    let dy = rows(dy);
     let dx = op.input_grad.then(|| {
         let dx = product(dy.clone(), t(weight.clone()), x.dtype());
         B::float_reshape(dx, x_shape)
     });
     let dw = op
         .weight_grad
-        .then(|| product(t(rows::<B>(x)), dy, weight.dtype()));
+        .then(|| product(t(rows(x)), dy, weight.dtype()));
     (dx, dw)
 }
 
@@ -132,7 +133,7 @@ fused_op! {
     |_, (x, ..)| -> DTypeQuery { problem_of::<B>(x) }
 
     fn composite<B: Backend>(&self, input: In<Self, B>) -> Out<Self, B> {
-        backward::<B>(self, input, burn_product::<B>)
+        backward::<B>(self, input, burn_product::<B>, rows::<B>)
     }
 
     fn kernels<K: KernelBackend>(&self, _: (), (x, weight, dy): In<Self, K>) -> Out<Self, K> {

@@ -3,13 +3,12 @@
 //! cuBLASLt where it takes them (scale and sums in the epilogue), on
 //! CubeCL's matmul elsewhere.
 
-use burn::tensor::ops::FloatTensorOps;
-use burn::tensor::{DType, TensorMetadata};
+use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 use super::{LoraBackward, backward, forward};
-use crate::backend::matmul::{matmul_with_bias, product, with_columns};
+use crate::backend::matmul::{matmul_with_bias, product};
 use crate::fused::cube::rows_view;
 use crate::fused::kernel;
 
@@ -39,21 +38,14 @@ kernel!(LoraForward, "bastile_lora_forward", |op, floats, _| {
     let weight = next(op.has_weight);
     let bias = next(op.has_bias);
     let (a, b) = (next(true).expect("A"), next(true).expect("B"));
-    // The passes see a row view: no copy of a pitched input.
-    let x_shape = x.shape();
     let (y, (xa, a, b)) = forward::<CubeBackend<R, F, I, BT>>(
-        (rows_view(x), weight, bias, a, b),
+        (x, weight, bias, a, b),
         op.scale,
         cube_product::<R, F, I, BT>,
         matmul_with_bias::<R, F, I, BT>,
+        rows_view::<R>,
     );
-    let y_shape = with_columns(x_shape, y.shape()[1]);
-    vec![
-        CubeBackend::<R, F, I, BT>::float_reshape(y, y_shape),
-        xa,
-        a,
-        b,
-    ]
+    vec![y, xa, a, b]
 });
 
 /// The backward pass. Inputs: `x, weight?, A, B, x · A, dy`; outputs:
@@ -73,16 +65,12 @@ kernel!(
         let x = next(true).expect("the input");
         let weight = next(k.has_weight);
         let [a, b, xa, dy] = [(); 4].map(|_| next(true).expect("a LoRA input"));
-        let x_shape = x.shape();
         let (dx, da, db) = backward::<CubeBackend<R, F, I, BT>>(
             &k.op,
-            (rows_view(x), weight, a, b, xa, rows_view(dy)),
+            (x, weight, a, b, xa, dy),
             cube_product::<R, F, I, BT>,
+            rows_view::<R>,
         );
-        vec![
-            CubeBackend::<R, F, I, BT>::float_reshape(dx, x_shape),
-            da,
-            db,
-        ]
+        vec![dx, da, db]
     }
 );

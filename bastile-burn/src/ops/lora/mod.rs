@@ -25,7 +25,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Device, Shape, Tensor, TensorMetadata};
 
-use crate::backend::matmul::{row_count, rows, with_columns};
+use crate::backend::matmul::{RowsOf, row_count, rows, with_columns};
 use crate::fused::{DTypeQuery, In, KernelBackend, Out, TensorSpec, fused_op, unpack};
 use crate::ops::{cast_to, check_float, check_like_input, check_same_device, float};
 use crate::patches::Op;
@@ -174,10 +174,11 @@ fn forward<B: Backend>(
     scale: f64,
     product: Product<B>,
     base: BaseProduct<B>,
+    rows: RowsOf<B>,
 ) -> Out<Lora, B> {
     let dtype = x.dtype();
     let shape = with_columns(x.shape(), b.shape()[1]);
-    let x = rows::<B>(x);
+    let x = rows(x);
     let (a, b) = (cast_to::<B>(a, dtype), cast_to::<B>(b, dtype));
     let xa = product(x.clone(), a.clone(), 1.0, dtype, None);
     let base = weight.map(|w| base(x, w, bias));
@@ -190,9 +191,10 @@ fn backward<B: Backend>(
     op: &LoraBackward,
     (x, weight, a, b, xa, dy): In<LoraBackward, B>,
     product: Product<B>,
+    rows: RowsOf<B>,
 ) -> Out<LoraBackward, B> {
     let (dtype, x_shape) = (x.dtype(), x.shape());
-    let (x, dy) = (rows::<B>(x), rows::<B>(cast_to::<B>(dy, dtype)));
+    let (x, dy) = (rows(x), rows(cast_to::<B>(dy, dtype)));
     let t = |m: FloatTensor<B>| B::float_swap_dims(m, 0, 1);
     // The gradient of x · A: s · dy · Bᵀ.
     let dxa = product(dy.clone(), t(b), op.scale as f32, dtype, None);
@@ -259,7 +261,7 @@ fused_op! {
     |_, (x, ..)| -> DTypeQuery { problem_of::<B>(x) }
 
     fn composite<B: Backend>(&self, input: In<Self, B>) -> Out<Self, B> {
-        forward::<B>(input, self.scale, burn_product::<B>, burn_base::<B>)
+        forward::<B>(input, self.scale, burn_product::<B>, burn_base::<B>, rows::<B>)
     }
 
     fn kernels<K: KernelBackend>(&self, _: (), (x, weight, bias, a, b): In<Self, K>) -> Out<Self, K> {
@@ -288,7 +290,7 @@ fused_op! {
     |_, (x, ..)| -> DTypeQuery { problem_of::<B>(x) }
 
     fn composite<B: Backend>(&self, input: In<Self, B>) -> Out<Self, B> {
-        backward::<B>(self, input, burn_product::<B>)
+        backward::<B>(self, input, burn_product::<B>, rows::<B>)
     }
 
     fn kernels<K: KernelBackend>(&self, _: (), (x, weight, a, b, xa, dy): In<Self, K>) -> Out<Self, K> {

@@ -104,7 +104,7 @@ fused_op! {
         let shape = Shape::new([tokens, self.k]);
         let weights = TensorSpec::new(shape.clone(), logits.dtype());
         let chosen = TensorSpec::new(shape, <K::IntElem as Element>::dtype());
-        let (floats, ints) = K::launch_split(self, vec![logits], vec![weights], vec![chosen]);
+        let (floats, ints) = K::launch_split(self, vec![logits], vec![], vec![weights], vec![chosen]);
         let ([weights], [chosen]) = (unpack(floats), unpack(ints));
         (weights, chosen)
     }
