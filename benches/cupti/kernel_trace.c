@@ -23,6 +23,9 @@
 
 #define BUF_SIZE (8 * 1024 * 1024)
 static FILE *out;
+// KERNEL_TRACE_PLACE set: each name starts with `[d<device> s<stream>] `,
+// for runs on several GPUs or streams (`step_gaps.py`, `streams_overlap.py`).
+static int with_place;
 
 static void CUPTIAPI buffer_requested(uint8_t **buffer, size_t *size, size_t *max_records) {
   *buffer = (uint8_t *)aligned_alloc(8, BUF_SIZE);
@@ -35,7 +38,12 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *b
   while (cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
     if (record->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL || record->kind == CUPTI_ACTIVITY_KIND_KERNEL) {
       KTYPE *k = (KTYPE *)record;
-      if (out) fprintf(out, "K %llu %llu %s\n", (unsigned long long)k->start, (unsigned long long)k->end, k->name ? k->name : "?");
+      if (!out) continue;
+      if (with_place)
+        fprintf(out, "K %llu %llu [d%u s%u] %s\n", (unsigned long long)k->start, (unsigned long long)k->end,
+                k->deviceId, k->streamId, k->name ? k->name : "?");
+      else
+        fprintf(out, "K %llu %llu %s\n", (unsigned long long)k->start, (unsigned long long)k->end, k->name ? k->name : "?");
     }
   }
   free(buffer);
@@ -49,6 +57,7 @@ static void at_exit(void) {
 int InitializeInjection(void) {
   const char *path = getenv("KERNEL_TRACE_OUT");
   out = fopen(path ? path : "/tmp/kernels.txt", "w");
+  with_place = getenv("KERNEL_TRACE_PLACE") != NULL;
   cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed);
   cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL);
   atexit(at_exit);

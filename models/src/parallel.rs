@@ -327,6 +327,15 @@ impl<B: AutodiffBackend> World<B> {
         visitor.grads
     }
 
+    /// Sends every operation queued on `device` so far to the device,
+    /// without waiting for it to run.
+    pub(crate) fn flush(&self, device: &B::Device) {
+        // Settling drains Burn's fusion stream and CubeCL's queue (the
+        // ordering after the sums it adds costs nothing: the operations
+        // queued so far already follow them).
+        self.settle(device);
+    }
+
     /// Whether the sums can no longer be trusted.
     pub(crate) fn broken(&self) -> bool {
         self.collective.broken()

@@ -498,6 +498,12 @@ where
                 let skip = queued.results.skip.clone().inner();
                 let model = adamw.step_unless(lr, model, queued.grads, skip);
                 let norm = adamw.last_norm().map(Tensor::from_inner);
+                if let Some(world) = &self.world {
+                    // Worker 0 reads its results only once the others
+                    // answered, after their own update ran: until a read,
+                    // Burn's fusion may hold the update's operations back.
+                    world.flush(&queued.results.loss.device());
+                }
                 let host = started.elapsed();
                 let (verdict, cause) =
                     read_after_peers(&mut self.peers, queued.results, step, norm);

@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 use bastile::BastileBackend;
 use bastile_cubecl::testing::runtime_selected;
 use bastile_models::{
-    CausalLm, Collective, DataParallelOptions, MicroBatch, ModelError, TrainConfig, Trainer,
+    CausalLm, Checkpointing, Collective, DataParallelOptions, MicroBatch, ModelError, TrainConfig,
+    Trainer,
 };
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
@@ -71,6 +72,7 @@ type Params = Vec<(String, Vec<f32>)>;
 fn run<B>(
     devices: &[B::Device],
     collective: Option<Collective<B::InnerBackend>>,
+    checkpointing: Checkpointing,
     batches: &[MicroBatch<B>],
     steps: usize,
 ) -> (Vec<(f64, usize)>, Params)
@@ -80,7 +82,9 @@ where
     CausalLm<B>: AutodiffModule<B> + Send + 'static,
     MicroBatch<B>: Send,
 {
-    let mut model = load::<B>(&devices[0]);
+    let mut model = load::<B>(&devices[0])
+        .with_checkpointing(checkpointing)
+        .unwrap();
     let mut trainer = Trainer::<B>::new(config()).unwrap();
     if let Some(collective) = collective {
         trainer = trainer
@@ -132,26 +136,47 @@ fn workers_train_as_one<B>(
     let device = &devices[0];
     let vocab = load::<B>(device).config.vocab_size as i64;
     let b = |seed, masked| batch::<B>(seed, masked, false, vocab, device);
-    let cases: Vec<(&str, usize, Vec<MicroBatch<B>>)> = vec![
-        ("two workers, the same shard", 2, vec![b(1, 3), b(1, 3)]),
+    let off = Checkpointing::Off;
+    let cases: Vec<(&str, usize, Checkpointing, Vec<MicroBatch<B>>)> = vec![
+        (
+            "two workers, the same shard",
+            2,
+            off,
+            vec![b(1, 3), b(1, 3)],
+        ),
         (
             "two workers, shards of 21 and 9 tokens",
             2,
+            off,
             vec![b(1, 2), b(2, 14)],
         ),
         (
             "three workers, two micro-batches each",
             3,
+            off,
             vec![b(1, 3), b(2, 0), b(3, 7), b(4, 1), b(5, 11), b(6, 5)],
         ),
+        (
+            "two workers, two micro-batches each, every layer checkpointed",
+            2,
+            Checkpointing::ALL,
+            vec![b(1, 3), b(2, 0), b(3, 7), b(4, 1)],
+        ),
     ];
-    for (what, workers, batches) in cases {
+    for (what, workers, checkpointing, batches) in cases {
         let Some(devices) = devices.get(..workers) else {
             eprintln!("{backend}: {what}: needs {workers} devices");
             continue;
         };
-        let (expected, reference) = run::<B>(devices, None, &batches, 3);
-        let (got, trained) = run::<B>(devices, Some(collective(devices)), &batches, 3);
+        eprintln!("{backend}: {what}");
+        let (expected, reference) = run::<B>(devices, None, checkpointing, &batches, 3);
+        let (got, trained) = run::<B>(
+            devices,
+            Some(collective(devices)),
+            checkpointing,
+            &batches,
+            3,
+        );
         for ((loss, tokens), (ref_loss, ref_tokens)) in got.iter().zip(&expected) {
             assert_eq!(tokens, ref_tokens, "{backend}, {what}: tokens");
             assert!(
@@ -213,6 +238,7 @@ fn a_check_failing_on_one_worker_skips_the_step_on_every_worker() {
     let (_, reference) = run::<Cpu>(
         &[device, device],
         Some(host::<burn::backend::NdArray>(&[device, device])),
+        Checkpointing::Off,
         &good,
         2,
     );

@@ -4,7 +4,7 @@
 //! once) and each problem's descriptors and algorithm.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys::cublasLtHandle_t;
@@ -27,7 +27,7 @@ pub struct DeviceState {
     pub prepared: HashMap<AlgoKey, Option<Prepared>>,
 }
 
-// SAFETY: the raw CUDA handles are only used while the `DEVICES` lock is
+// SAFETY: the raw CUDA handles are only used while the device's lock is
 // held, from whichever thread holds it; cuBLASLt handles and CUDA streams
 // may be used from any thread of the process.
 unsafe impl Send for DeviceState {}
@@ -86,21 +86,28 @@ impl DeviceState {
     }
 }
 
-/// Per device ordinal; `Err` remembers why a device cannot use cuBLASLt so
-/// the check is not repeated.
-static DEVICES: Mutex<Vec<Option<Result<DeviceState, KernelError>>>> = Mutex::new(Vec::new());
+/// A device's state, created on first use; `Err` remembers why the device
+/// cannot use cuBLASLt so the check is not repeated.
+type Slot = Arc<Mutex<Option<Result<DeviceState, KernelError>>>>;
+
+/// Per device ordinal. Each device has a lock of its own: data-parallel
+/// workers queue their products on their own devices at once.
+static DEVICES: Mutex<Vec<Slot>> = Mutex::new(Vec::new());
 
 /// Runs `f` with the device's state, creating it on first use.
 pub fn with_device<T>(
     index: usize,
     f: impl FnOnce(&mut DeviceState) -> Result<T, KernelError>,
 ) -> Result<T, KernelError> {
-    let mut devices = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
-    if devices.len() <= index {
-        devices.resize_with(index + 1, || None);
-    }
-    let slot = devices[index].get_or_insert_with(|| DeviceState::new(index));
-    match slot {
+    let slot = {
+        let mut devices = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
+        if devices.len() <= index {
+            devices.resize_with(index + 1, Slot::default);
+        }
+        devices[index].clone()
+    };
+    let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
+    match slot.get_or_insert_with(|| DeviceState::new(index)) {
         Ok(state) => f(state),
         Err(e) => Err(e.clone()),
     }
