@@ -328,7 +328,8 @@ impl<B: AutodiffBackend> World<B> {
     }
 
     /// Sends every operation queued on `device` so far to the device,
-    /// without waiting for it to run.
+    /// without waiting for it to run, where the sums run on the device (a
+    /// host rendezvous reads each sum back, which waits for it anyway).
     pub(crate) fn flush(&self, device: &B::Device) {
         // Settling drains Burn's fusion stream and CubeCL's queue (the
         // ordering after the sums it adds costs nothing: the operations
