@@ -75,24 +75,6 @@ impl<B: FusionBackend + KernelBackend> KernelBackend for Fusion<B> {
         B::ask(device, query)
     }
 
-    fn launch<K: Kernel>(
-        kernel: &K,
-        floats: Vec<FloatTensor<Self>>,
-        ints: Vec<IntTensor<Self>>,
-        outputs: Vec<TensorSpec>,
-    ) -> Vec<FloatTensor<Self>> {
-        let float_outputs = outputs.len();
-        record::<B, K>(kernel, floats, ints, outputs, float_outputs)
-    }
-
-    fn launch_ints<K: Kernel>(
-        kernel: &K,
-        ints: Vec<IntTensor<Self>>,
-        outputs: Vec<TensorSpec>,
-    ) -> Vec<IntTensor<Self>> {
-        record::<B, K>(kernel, vec![], ints, outputs, 0)
-    }
-
     fn launch_split<K: Kernel>(
         kernel: &K,
         floats: Vec<FloatTensor<Self>>,

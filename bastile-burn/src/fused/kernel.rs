@@ -87,31 +87,32 @@ pub trait KernelBackend: Backend {
         None
     }
 
-    /// Launches `kernel`; `outputs` are the shapes and dtypes it returns.
-    /// Only called after [`KernelBackend::ask`] answered for the problem.
+    /// Launches `kernel`; `outputs` are the float shapes and dtypes it
+    /// returns. Only called after [`KernelBackend::ask`] answered for the
+    /// problem.
     fn launch<K: Kernel>(
-        _kernel: &K,
-        _floats: Vec<FloatTensor<Self>>,
-        _ints: Vec<IntTensor<Self>>,
-        _outputs: Vec<TensorSpec>,
+        kernel: &K,
+        floats: Vec<FloatTensor<Self>>,
+        ints: Vec<IntTensor<Self>>,
+        outputs: Vec<TensorSpec>,
     ) -> Vec<FloatTensor<Self>> {
-        unreachable!("{} launched on a backend without kernels", K::NAME)
+        Self::launch_split(kernel, floats, ints, outputs, Vec::new()).0
     }
 
     /// Launches `kernel` on int tensors only, for the int tensors it
     /// returns (an int reduction).
     fn launch_ints<K: Kernel>(
-        _kernel: &K,
-        _ints: Vec<IntTensor<Self>>,
-        _outputs: Vec<TensorSpec>,
+        kernel: &K,
+        ints: Vec<IntTensor<Self>>,
+        outputs: Vec<TensorSpec>,
     ) -> Vec<IntTensor<Self>> {
-        unreachable!("{} launched on a backend without kernels", K::NAME)
+        Self::launch_split(kernel, Vec::new(), ints, Vec::new(), outputs).1
     }
 
     /// Launches `kernel` for float tensors followed by int tensors (a
     /// choice and its indices): `float_outputs` and `int_outputs` are what
-    /// it returns, in that order. The general form of the two above, which
-    /// a fusion stream's recorded kernels run through.
+    /// it returns, in that order. The general form of the two above, and
+    /// the one launch a backend with kernels implements.
     fn launch_split<K: Kernel>(
         _kernel: &K,
         _floats: Vec<FloatTensor<Self>>,
@@ -130,23 +131,6 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KernelBack
 {
     fn ask<Q: DeviceQuery>(device: &Device<Self>, query: &Q) -> Option<Q::Answer> {
         Some(query.ask::<R>(device))
-    }
-
-    fn launch<K: Kernel>(
-        kernel: &K,
-        floats: Vec<FloatTensor<Self>>,
-        ints: Vec<IntTensor<Self>>,
-        outputs: Vec<TensorSpec>,
-    ) -> Vec<FloatTensor<Self>> {
-        checked_outputs::<R, K>(kernel.launch::<R, F, I, BT>(floats, ints), outputs)
-    }
-
-    fn launch_ints<K: Kernel>(
-        kernel: &K,
-        ints: Vec<IntTensor<Self>>,
-        outputs: Vec<TensorSpec>,
-    ) -> Vec<IntTensor<Self>> {
-        checked_outputs::<R, K>(kernel.launch::<R, F, I, BT>(vec![], ints), outputs)
     }
 
     fn launch_split<K: Kernel>(
