@@ -26,6 +26,10 @@ static FILE *out;
 // KERNEL_TRACE_PLACE set: each name starts with `[d<device> s<stream>] `,
 // for runs on several GPUs or streams (`step_gaps.py`, `streams_overlap.py`).
 static int with_place;
+// KERNEL_TRACE_API set: every CUDA driver call too, one line `A start end
+// thread name` each (host timestamps on the kernels' clock), to see what the
+// host did while the GPU waited (`host_gaps.py`).
+static int with_api;
 
 static void CUPTIAPI buffer_requested(uint8_t **buffer, size_t *size, size_t *max_records) {
   *buffer = (uint8_t *)aligned_alloc(8, BUF_SIZE);
@@ -44,6 +48,11 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *b
                 k->deviceId, k->streamId, k->name ? k->name : "?");
       else
         fprintf(out, "K %llu %llu %s\n", (unsigned long long)k->start, (unsigned long long)k->end, k->name ? k->name : "?");
+    } else if (record->kind == CUPTI_ACTIVITY_KIND_DRIVER && out) {
+      CUpti_ActivityAPI *a = (CUpti_ActivityAPI *)record;
+      const char *name = NULL;
+      if (cuptiGetCallbackName(CUPTI_CB_DOMAIN_DRIVER_API, a->cbid, &name) != CUPTI_SUCCESS || !name) name = "?";
+      fprintf(out, "A %llu %llu %u %s\n", (unsigned long long)a->start, (unsigned long long)a->end, a->threadId, name);
     }
   }
   free(buffer);
@@ -58,8 +67,10 @@ int InitializeInjection(void) {
   const char *path = getenv("KERNEL_TRACE_OUT");
   out = fopen(path ? path : "/tmp/kernels.txt", "w");
   with_place = getenv("KERNEL_TRACE_PLACE") != NULL;
+  with_api = getenv("KERNEL_TRACE_API") != NULL;
   cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed);
   cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL);
+  if (with_api) cuptiActivityEnable(CUPTI_ACTIVITY_KIND_DRIVER);
   atexit(at_exit);
   return 1;
 }

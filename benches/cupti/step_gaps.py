@@ -11,7 +11,7 @@ Usage: python3 step_gaps.py kernels.txt DEVICE [MIN_GAP_MS] [COUNT]
 """
 import sys
 
-from placed_trace import read
+from placed_trace import idle_gaps, last_whole_step, read
 
 path, device = sys.argv[1], int(sys.argv[2])
 min_gap_ms = float(sys.argv[3]) if len(sys.argv) > 3 else 0.3
@@ -20,23 +20,11 @@ count = int(sys.argv[4]) if len(sys.argv) > 4 else 15
 compute = [
     (s, e, name) for s, e, d, _, name in read(path) if d == device and "nccl" not in name.lower()
 ]
-updates = [k for k in compute if "adamw_kernel" in k[2]]
-ends = [
-    k[1]
-    for i, k in enumerate(updates)
-    if i + 1 == len(updates) or updates[i + 1][0] - k[1] > 5e6
+start, end = last_whole_step(compute)
+gaps = [
+    (length / 1e6, (opened - start) / 1e6, before[:48], after[:48])
+    for length, opened, _, before, after in idle_gaps(compute, start, end, min_gap_ms * 1e6)
 ]
-if len(ends) < 3:
-    sys.exit("fewer than two whole steps in the trace")
-start, end = ends[-3], ends[-2]
-last, before, gaps = start, "(step start)", []
-for s, e, name in compute:
-    if not start < s <= end:
-        continue
-    if s - last > min_gap_ms * 1e6:
-        gaps.append(((s - last) / 1e6, (last - start) / 1e6, before[:48], name[:48]))
-    if e > last:
-        last, before = e, name
 total = sum(g[0] for g in gaps)
 print(
     f"device {device}: step {(end - start) / 1e6:.1f} ms; {len(gaps)} gaps over "

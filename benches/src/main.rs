@@ -12,6 +12,7 @@ mod copy;
 mod geglu;
 mod linear_cross_entropy;
 mod matmul;
+mod moe;
 mod packing;
 mod passes;
 mod progress;
@@ -52,7 +53,32 @@ pub enum OpName {
     #[value(alias = "flce")]
     LinearCrossEntropy,
     Matmul,
+    /// GPT-OSS's mixture-of-experts layer, routed against its grouped
+    /// products (and dense).
+    Moe,
     Attention,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ExpertsArg {
+    Routed,
+    Dense,
+}
+
+impl ExpertsArg {
+    pub fn routing(self) -> bastile_models::ExpertRouting {
+        match self {
+            Self::Routed => bastile_models::ExpertRouting::Routed,
+            Self::Dense => bastile_models::ExpertRouting::Dense,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Routed => "routed",
+            Self::Dense => "dense",
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -158,11 +184,11 @@ pub struct Args {
     /// on the PyTorch side).
     #[arg(long, value_name = "R")]
     pub lora: Option<usize>,
-    /// Training: GPT-OSS's experts run routed, each on the tokens the router
-    /// sent it, instead of every expert on every token (Bastile's models;
-    /// the PyTorch rows are HF's own).
-    #[arg(long)]
-    pub routed_experts: bool,
+    /// Training: how GPT-OSS's experts run in Bastile's models (the
+    /// PyTorch rows are HF's own): routed (the default), each on the tokens
+    /// the router sent it, or dense, every expert on every token.
+    #[arg(long, value_enum, value_name = "HOW", default_value = "routed")]
+    pub experts: ExpertsArg,
     /// Training: activation checkpointing, every layer (or every N-th):
     /// each keeps only its input and runs again in the backward pass (HF's
     /// gradient checkpointing on the PyTorch side).
@@ -366,7 +392,7 @@ where
     let copy_gbs = if !kernels
         || matches!(
             args.op,
-            Some(OpName::LinearCrossEntropy | OpName::Matmul | OpName::Attention)
+            Some(OpName::LinearCrossEntropy | OpName::Matmul | OpName::Moe | OpName::Attention)
         ) {
         f64::NAN
     } else {
@@ -379,7 +405,7 @@ where
         ));
         let wanted = |op| args.op.is_none() || args.op == Some(op);
         type Bench<D> = fn(&D, &Args, &mut report::Report);
-        let benches: [(OpName, Bench<B::Device>); 8] = [
+        let benches: [(OpName, Bench<B::Device>); 9] = [
             (OpName::Adamw, adamw::bench::<B>),
             (OpName::RmsNorm, rms_norm::bench::<B>),
             (OpName::Swiglu, swiglu::bench::<B>),
@@ -390,6 +416,7 @@ where
                 linear_cross_entropy::bench::<R, B>,
             ),
             (OpName::Matmul, matmul::bench::<B>),
+            (OpName::Moe, moe::bench::<B>),
             (OpName::Attention, attention::bench::<R, B>),
         ];
         for (op, bench) in benches.into_iter().filter(|(op, _)| wanted(*op)) {

@@ -67,7 +67,15 @@ pub fn merge_value(report: &mut Report, value: Value) -> Result<(), String> {
     }
     // A report holds its tables as lists; a training row's `attention`
     // names the attention that ran.
-    let tables = ["rows", "train", "attention", "matmul", "flce", "notes"];
+    let tables = [
+        "rows",
+        "train",
+        "attention",
+        "matmul",
+        "moe",
+        "flce",
+        "notes",
+    ];
     if tables
         .iter()
         .any(|k| map.get(*k).is_some_and(Value::is_array))
@@ -80,6 +88,7 @@ pub fn merge_value(report: &mut Report, value: Value) -> Result<(), String> {
         report.train.extend(rows(list("train"))?);
         report.attention.extend(rows(list("attention"))?);
         report.matmul.extend(rows(list("matmul"))?);
+        report.moe.extend(rows(list("moe"))?);
         report.flce.extend(rows(list("flce"))?);
         report.notes.extend(rows::<String>(list("notes"))?);
         return Ok(());
@@ -94,6 +103,8 @@ pub fn merge_value(report: &mut Report, value: Value) -> Result<(), String> {
         report.attention.extend(rows(vec![one])?);
     } else if has("inputs_mib") {
         report.flce.extend(rows(vec![one])?);
+    } else if has("layer_ms") {
+        report.moe.extend(rows(vec![one])?);
     } else if has("tflops") {
         report.matmul.extend(rows(vec![one])?);
     } else {
@@ -138,6 +149,18 @@ mod tests {
             "implementation": "torch sdpa", "fwd_ms": 1.0, "fwd_tflops": 2.0,
             "fwd_bwd_ms": 3.0, "fwd_bwd_tflops": 4.0, "peak_mib": 5.0}]});
         merge_value(&mut report, sdpa).unwrap();
+        let moe = serde_json::json!({"moe": [{"shape": "s", "dtype": "bf16",
+            "routing": "routed", "layer_ms": 12.0, "useful_tflops": 400.0, "capacity": 1152,
+            "mean_group": 1024.0, "grouped_products_ms": 8.0}]});
+        merge_value(&mut report, moe).unwrap();
+        assert_eq!(report.moe[0].over_products(), Some(1.5));
+        assert!(
+            report
+                .markdown()
+                .contains("| 12.000 | 400.0 | 8.000 | 1.50× | 1152 (1024) |"),
+            "{}",
+            report.markdown()
+        );
         assert_eq!(
             (report.runtime.as_str(), report.device.as_str()),
             ("cuda", "H100")

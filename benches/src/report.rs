@@ -69,6 +69,48 @@ pub struct MatmulRow {
     pub tflops: f64,
 }
 
+/// One mixture-of-experts layer measurement (forward + backward).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct MoeRow {
+    pub shape: String,
+    pub dtype: String,
+    /// `routed` or `dense`.
+    pub routing: String,
+    pub layer_ms: f64,
+    /// The flops of each token's chosen experts alone (forward and both
+    /// gradients of `gate_up` and `down`) per second of the layer.
+    pub useful_tflops: f64,
+    /// Rows every expert's group is padded to (routed only).
+    pub capacity: Option<usize>,
+    /// Token-expert assignments per expert.
+    pub mean_group: f64,
+    /// The routed layer's six grouped products alone, same groups.
+    pub grouped_products_ms: Option<f64>,
+}
+
+impl MoeRow {
+    /// The layer's time over its grouped products' time.
+    pub fn over_products(&self) -> Option<f64> {
+        self.grouped_products_ms.map(|g| self.layer_ms / g)
+    }
+
+    /// The progress line.
+    pub fn line(&self) -> String {
+        let products = match (self.grouped_products_ms, self.over_products()) {
+            (Some(g), Some(r)) => format!(
+                ", grouped products {g:.3} ms ({r:.2}×), capacity {} for {:.0} a group",
+                self.capacity.unwrap_or(0),
+                self.mean_group
+            ),
+            _ => String::new(),
+        };
+        format!(
+            "moe {} {} {}: layer {:.3} ms ({:.1} useful TFLOP/s){products}",
+            self.shape, self.dtype, self.routing, self.layer_ms, self.useful_tflops
+        )
+    }
+}
+
 /// One attention measurement; a failed one (Burn out of memory at long
 /// sequences) has `error` set and not-a-number values.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -101,6 +143,7 @@ pub struct Report {
     pub rows: Vec<Row>,
     pub flce: Vec<FlceRow>,
     pub matmul: Vec<MatmulRow>,
+    pub moe: Vec<MoeRow>,
     pub attention: Vec<AttentionRow>,
     pub train: Vec<crate::train::TrainRow>,
     /// What did not run, or ran only in part, and why.
@@ -117,6 +160,7 @@ impl Report {
             rows: Vec::new(),
             flce: Vec::new(),
             matmul: Vec::new(),
+            moe: Vec::new(),
             attention: Vec::new(),
             train: Vec::new(),
             notes: Vec::new(),
@@ -174,6 +218,9 @@ impl Report {
         }
         if !self.matmul.is_empty() {
             s += &self.matmul_markdown();
+        }
+        if !self.moe.is_empty() {
+            s += &self.moe_markdown();
         }
         if !self.attention.is_empty() {
             s += &self.attention_markdown();
@@ -447,6 +494,32 @@ Longest sequence trained (per implementation; the first length that failed, and 
             s += &format!(
                 "| {} | {} | {} | {:.3} | {:.1} | {speedup} |\n",
                 r.shape, r.dtype, r.implementation, r.ms, r.tflops
+            );
+        }
+        s
+    }
+
+    /// The mixture-of-experts layer table: the routed layer against its
+    /// grouped products, and the dense path.
+    fn moe_markdown(&self) -> String {
+        let mut s = String::from(
+            "\nMixture-of-experts layer, forward + backward (useful: the chosen experts' flops):\n\n\
+             | shape | dtype | experts | layer ms | useful TFLOP/s | grouped products ms | layer / products | capacity (mean group) |\n\
+             |---|---|---|---:|---:|---:|---:|---:|\n",
+        );
+        for r in &self.moe {
+            s += &format!(
+                "| {} | {} | {} | {:.3} | {:.1} | {} | {} | {} |\n",
+                r.shape,
+                r.dtype,
+                r.routing,
+                r.layer_ms,
+                r.useful_tflops,
+                fixed(r.grouped_products_ms, 3),
+                r.over_products()
+                    .map_or(String::new(), |x| format!("{x:.2}×")),
+                r.capacity
+                    .map_or(String::new(), |c| format!("{c} ({:.0})", r.mean_group)),
             );
         }
         s

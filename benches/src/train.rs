@@ -234,8 +234,8 @@ pub fn sweep(args: &Args, models: &[String], report: &mut Report) {
                     if let Some(every) = args.checkpointing {
                         name = format!("{name}, checkpointing {}", Checkpointing::Every(every));
                     }
-                    if args.routed_experts {
-                        name = format!("{name}, routed experts");
+                    if args.experts == crate::ExpertsArg::Dense {
+                        name = format!("{name}, dense experts");
                     }
                     if devices > 1 {
                         name = format!("{name}, {devices} GPUs");
@@ -409,7 +409,7 @@ fn child(exe: &Path, args: &Args, task: &str, config: &Config, caches: Option<Ca
         .args(["--devices", &devices.to_string()])
         .args(&lora)
         .args(&checkpointing)
-        .args(args.routed_experts.then_some("--routed-experts"))
+        .args(["--experts", args.experts.name()])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn();
@@ -610,11 +610,7 @@ impl<'a> Run<'a> {
             checkpointing: args
                 .checkpointing
                 .map_or(Checkpointing::Off, Checkpointing::Every),
-            expert_routing: if args.routed_experts {
-                ExpertRouting::Routed
-            } else {
-                ExpertRouting::Dense
-            },
+            expert_routing: args.experts.routing(),
             first_step_only: args.first_step_only,
             precompile: imp != TrainImpl::Burn && args.runtime == Some(crate::Runtime::Cuda),
         }
@@ -697,9 +693,9 @@ where
                 None => Ok(m),
             })
             .and_then(|m| m.with_checkpointing(checkpointing))
-            .and_then(|m| match expert_routing {
-                ExpertRouting::Dense => Ok(m),
-                routed => m.with_expert_routing(routed),
+            .and_then(|m| match m.expert_routing() {
+                Some(_) => m.with_expert_routing(expert_routing),
+                None => Ok(m),
             })
             .map_err(|e| e.to_string())
     };

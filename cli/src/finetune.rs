@@ -95,9 +95,9 @@ pub struct FinetuneOptions {
     pub devices: usize,
     /// Which layers recompute their activations in the backward pass.
     pub checkpointing: Checkpointing,
-    /// How a mixture of experts runs them (routed: an error for a model
-    /// without experts).
-    pub expert_routing: ExpertRouting,
+    /// How a mixture of experts runs them (`None`: the model's default,
+    /// routed; a setting is an error for a model without experts).
+    pub expert_routing: Option<ExpertRouting>,
     /// The weight of the router's load-balancing loss in the training loss
     /// (`Some(0.0)`: none; `None`: as the model's `config.json` says); an
     /// error for a model without experts.
@@ -313,8 +313,8 @@ impl Finetune {
             (None, _) => model,
         };
         let mut model = model.with_checkpointing(o.checkpointing)?;
-        if o.expert_routing != ExpertRouting::Dense {
-            model = model.with_expert_routing(o.expert_routing)?;
+        if let Some(routing) = o.expert_routing {
+            model = model.with_expert_routing(routing)?;
         }
         if let Some(coef) = o.router_aux_loss {
             model = model.with_router_aux_loss((coef != 0.0).then_some(coef))?;
@@ -422,8 +422,10 @@ impl Finetune {
         if model.checkpointing != Checkpointing::Off {
             trained += &format!(", activation checkpointing of {}", model.checkpointing);
         }
-        if o.expert_routing == ExpertRouting::Routed {
-            trained += ", routed experts";
+        match model.expert_routing() {
+            Some(ExpertRouting::Routed) => trained += ", routed experts",
+            Some(ExpertRouting::Dense) => trained += ", dense experts",
+            None => {}
         }
         if let Some(coef) = model.router_aux_loss() {
             trained += &format!(", router load-balancing loss x{coef}");

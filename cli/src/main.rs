@@ -100,11 +100,12 @@ enum Command {
         /// (0, N, 2N, ...).
         #[arg(long, value_name = "N", num_args = 0..=1, default_missing_value = "1")]
         checkpointing: Option<usize>,
-        /// GPT-OSS: run each expert on the tokens the router sent it
-        /// (`top_k / experts` of the expert work, one read of the routing
-        /// per layer) instead of every expert on every token.
-        #[arg(long)]
-        routed_experts: bool,
+        /// GPT-OSS: how the experts run. `routed` (the default): each
+        /// expert on the tokens the router sent it (`top_k / experts` of
+        /// the expert work, one read of the routing per layer); `dense`:
+        /// every expert on every token, weighted 0 where not chosen.
+        #[arg(long, value_enum, value_name = "HOW")]
+        experts: Option<ExpertsArg>,
         /// GPT-OSS: add the router's load-balancing loss (HF's
         /// `output_router_logits`) with this weight to the training loss
         /// (0: none; default: as the model's config.json says).
@@ -280,6 +281,22 @@ impl LoraArgs {
     }
 }
 
+/// `--experts`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum ExpertsArg {
+    Routed,
+    Dense,
+}
+
+impl ExpertsArg {
+    fn routing(self) -> ExpertRouting {
+        match self {
+            Self::Routed => ExpertRouting::Routed,
+            Self::Dense => ExpertRouting::Dense,
+        }
+    }
+}
+
 /// `--optimizer`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum OptimizerArg {
@@ -339,7 +356,7 @@ fn run(cli: Cli, cache: &KernelCache) -> Result<(), CliError> {
             grad_accum,
             devices,
             checkpointing,
-            routed_experts,
+            experts,
             router_aux_loss,
             epochs,
             steps,
@@ -394,11 +411,7 @@ fn run(cli: Cli, cache: &KernelCache) -> Result<(), CliError> {
                 merge_lora: lora.merge_lora,
                 devices,
                 checkpointing: checkpointing_arg(checkpointing)?,
-                expert_routing: if routed_experts {
-                    ExpertRouting::Routed
-                } else {
-                    ExpertRouting::Dense
-                },
+                expert_routing: experts.map(ExpertsArg::routing),
                 router_aux_loss,
             };
             finetune::run(common.device, !common.no_bastile, options)?;

@@ -59,7 +59,7 @@ fn options(output: PathBuf, steps: usize) -> FinetuneOptions {
         merge_lora: false,
         devices: 1,
         checkpointing: Checkpointing::Off,
-        expert_routing: ExpertRouting::Dense,
+        expert_routing: None,
         router_aux_loss: None,
     }
 }
@@ -561,7 +561,7 @@ fn bad_options_fail_before_training() {
         "{e}"
     );
     let mut o = options(temp_dir("bad"), 1);
-    o.expert_routing = ExpertRouting::Routed;
+    o.expert_routing = Some(ExpertRouting::Dense);
     let e = finetune(DeviceKind::Cpu, false, o).unwrap_err().to_string();
     assert!(e.contains("needs a mixture-of-experts model"), "{e}");
     let mut o = options(temp_dir("bad"), 1);

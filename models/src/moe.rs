@@ -25,6 +25,11 @@ use crate::lora::{ExpertAdapter, ExpertAdapters, MlpAdapters, project};
 /// GPT-OSS's GEGLU slope.
 const ALPHA: f64 = 1.702;
 
+/// Rows the routed path's group capacity is a multiple of (unless every
+/// token fits in fewer): up to this many padding rows per expert, for few
+/// distinct product shapes.
+pub const CAPACITY_STEP: usize = 64;
+
 /// HF's `experts`: `gate_up_proj` `[E, H, 2I]`, `down_proj` `[E, I, H]`.
 #[derive(Module, Debug)]
 pub struct Experts<B: Backend> {
@@ -35,20 +40,23 @@ pub struct Experts<B: Backend> {
 }
 
 /// How [`Moe`] runs its experts; both give the same outputs and gradients
-/// up to the order of floating-point sums.
+/// up to the order of floating-point sums. Routed by default; the dense
+/// path is the composite reference.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ExpertRouting {
     /// Every expert on every token, its output weighted 0 where the router
-    /// did not choose it: batched matmuls over all experts, no host reads.
-    #[default]
+    /// did not choose it: batched matmuls over all experts, no host reads,
+    /// `experts / top_k` times the routed path's expert flops.
     Dense,
     /// Each expert on the tokens routed to it: the token-expert assignments
     /// grouped by expert (the routing is read back to the host once per
-    /// layer), the groups padded to the largest one, one batched `gate_up`
-    /// and one `down` product over them, each token's rows gathered back and
-    /// weighted. About `top_k / experts` of the dense path's expert flops and
-    /// activations when the experts' loads are even, never more than the
-    /// dense path's (one expert taking every token).
+    /// layer), the groups padded to the largest one (in steps of 64 rows),
+    /// one batched `gate_up` and one `down` product over them, each token's
+    /// rows gathered back and weighted. About `top_k / experts` of the
+    /// dense path's expert flops and activations when the experts' loads
+    /// are even, never more than the dense path's (one expert taking every
+    /// token).
+    #[default]
     Routed,
 }
 
@@ -171,7 +179,8 @@ impl<B: BastileBackend> Moe<B> {
 
     /// Each expert on its own tokens: the token-expert assignments grouped
     /// by expert (the routing read back once per layer), every group padded
-    /// to the largest one's `capacity` rows, one batched product per
+    /// to `capacity` rows (the largest group's, rounded up to
+    /// [`CAPACITY_STEP`] rows), one batched product per
     /// projection over `[experts, capacity, ·]`, and each token's `top_k`
     /// rows gathered back and weighted. Both gathers know their inverse
     /// ([`gather_rows`]): their gradients are gathered too.
@@ -187,7 +196,10 @@ impl<B: BastileBackend> Moe<B> {
         let ex = &self.experts;
         let experts = ex.gate_up_proj.dims()[0];
         let device = x.device();
+        // Read and written as vectors: CubeCL copies a matrix row by row,
+        // and these rows are a few bytes each (about 0.3 ms a copy).
         let chosen: Vec<i64> = chosen
+            .reshape([t * k])
             .try_into_data()
             .map_err(|e| ModelError::Device(format!("reading the expert routing back: {e}")))?
             .convert::<i64>()
@@ -197,7 +209,7 @@ impl<B: BastileBackend> Moe<B> {
         for &expert in &chosen {
             counts[expert as usize] += 1;
         }
-        let capacity = counts.iter().copied().max().unwrap_or(0).max(1);
+        let capacity = group_capacity(&counts, t);
         // Row `e * capacity + i` of the groups holds expert `e`'s `i`-th
         // assignment in token order (assignment `slot` is token `slot / k`'s
         // `slot % k`-th choice); rows past an expert's count repeat token 0
@@ -218,12 +230,13 @@ impl<B: BastileBackend> Moe<B> {
             slot_of_row[row] = slot as i64;
             row_of_slot[slot] = row as i64;
         }
-        let ids = |values: Vec<i64>, shape: [usize; 2]| {
-            Tensor::<B, 2, Int>::from_data(TensorData::new(values, shape), &device)
+        let ids = |values: Vec<i64>| {
+            let len = values.len();
+            Tensor::<B, 1, Int>::from_data(TensorData::new(values, [len]), &device)
         };
-        let token_of_row = ids(token_of_row, [rows, 1]).reshape([rows]);
-        let row_of_slot = ids(row_of_slot, [t, k]);
-        let slot_of_row = ids(slot_of_row, [rows, 1]);
+        let token_of_row = ids(token_of_row);
+        let row_of_slot = ids(row_of_slot).reshape([t, k]);
+        let slot_of_row = ids(slot_of_row).reshape([rows, 1]);
         let groups =
             gather_rows(x, token_of_row, row_of_slot.clone())?.reshape([experts, capacity, h]);
         let out = self.expert_outputs(groups, adapters)?;
@@ -237,6 +250,21 @@ impl<B: BastileBackend> Moe<B> {
             .sum_dim(1)
             .reshape([t, h]))
     }
+}
+
+/// The rows every expert's group is padded to on the routed path, for
+/// `counts` token-expert assignments per expert over `tokens` tokens: the
+/// largest group's, rounded up to [`CAPACITY_STEP`] rows but never past
+/// `tokens` (an expert takes each token at most once). Each new capacity
+/// is a new shape for the experts' products, whose first call costs
+/// milliseconds of host time (the matmul's algorithm choice and kernel
+/// load); rounded, the shapes repeat across layers and steps.
+pub fn group_capacity(counts: &[usize], tokens: usize) -> usize {
+    let largest = counts.iter().copied().max().unwrap_or(0).max(1);
+    largest
+        .next_multiple_of(CAPACITY_STEP)
+        .min(tokens)
+        .max(largest)
 }
 
 /// Each expert's rows times its weight, plus its bias and its adapter's
@@ -360,6 +388,15 @@ impl<B: Backend> crate::CausalLm<B> {
         Ok(self)
     }
 
+    /// How the model's mixture-of-experts layers run their experts; `None`
+    /// for a model without experts.
+    pub fn expert_routing(&self) -> Option<ExpertRouting> {
+        self.model.layers.iter().find_map(|layer| match &layer.mlp {
+            crate::mlp::Mlp::Experts(moe) => Some(moe.routing),
+            crate::mlp::Mlp::Dense(_) => None,
+        })
+    }
+
     /// The model with the router's load-balancing loss added to its loss
     /// with weight `coef` (HF's `output_router_logits` with
     /// `router_aux_loss_coef`), or without it (`None`). The loss counts
@@ -397,5 +434,23 @@ impl<B: Backend> crate::CausalLm<B> {
                 self.config.architecture
             ))
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::group_capacity;
+
+    #[test]
+    fn capacity_is_the_largest_group_rounded_up_to_64_rows_within_the_tokens() {
+        assert_eq!(group_capacity(&[3, 70, 10], 4096), 128);
+        assert_eq!(group_capacity(&[64, 5], 4096), 64);
+        assert_eq!(group_capacity(&[530, 577, 512], 4096), 640);
+        // Never past the tokens: an expert takes each token at most once.
+        assert_eq!(group_capacity(&[3, 70, 10], 100), 100);
+        assert_eq!(group_capacity(&[5, 2], 5), 5);
+        // Empty groups still give one row.
+        assert_eq!(group_capacity(&[0, 0], 37), 37);
+        assert_eq!(group_capacity(&[], 0), 1);
     }
 }

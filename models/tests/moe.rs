@@ -265,15 +265,18 @@ fn routed_experts_match_dense_experts_and_reference() {
     }
 }
 
-/// The GPT-OSS fixture gives the same logits with routed and dense experts.
+/// The GPT-OSS fixture runs its experts routed by default, with the same
+/// logits as the dense path.
 #[test]
 fn gpt_oss_logits_are_the_same_routed() {
     let device = Default::default();
-    let dense = CausalLm::<Cpu>::from_hf_dir(fixture("gpt_oss"), &device).unwrap();
-    let routed = CausalLm::<Cpu>::from_hf_dir(fixture("gpt_oss"), &device)
+    let dense = CausalLm::<Cpu>::from_hf_dir(fixture("gpt_oss"), &device)
         .unwrap()
-        .with_expert_routing(ExpertRouting::Routed)
+        .with_expert_routing(ExpertRouting::Dense)
         .unwrap();
+    let routed = CausalLm::<Cpu>::from_hf_dir(fixture("gpt_oss"), &device).unwrap();
+    assert_eq!(routed.expert_routing(), Some(ExpertRouting::Routed));
+    assert_eq!(dense.expert_routing(), Some(ExpertRouting::Dense));
     let vocab = dense.config.vocab_size as i64;
     let ids: Vec<i64> = (0..11).map(|i| (i * 37 + 5) % vocab).collect();
     let ids = || Tensor::<Cpu, 2, Int>::from_data(TensorData::new(ids.clone(), [1, 11]), &device);
@@ -292,6 +295,7 @@ fn gpt_oss_logits_are_the_same_routed() {
 #[test]
 fn expert_routing_needs_a_mixture_of_experts() {
     let model = CausalLm::<Cpu>::from_hf_dir(fixture("qwen3"), &Default::default()).unwrap();
+    assert_eq!(model.expert_routing(), None);
     let err = model
         .with_expert_routing(ExpertRouting::Routed)
         .unwrap_err()

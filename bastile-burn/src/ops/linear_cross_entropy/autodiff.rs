@@ -1,46 +1,103 @@
 //! The fused linear cross-entropy's autodiff nodes. With `Mean` / `Sum`
-//! the gradients come out of the forward pass and the backward pass only
-//! scales them by the upstream gradient; with `None` the backward pass
-//! recomputes the chunks with the per-token upstream gradients.
+//! the input's (and bias's) gradients come out of the forward pass and the
+//! backward pass only scales them by the upstream gradient; so does the
+//! weight's when one chunk covers every token, else the backward pass
+//! computes it over vocabulary slices with the upstream gradient folded
+//! in (the pass the forward would have run, without a weight-sized
+//! multiply and its second weight-sized buffer afterwards). With `None`
+//! the backward pass recomputes the chunks with the per-token upstream
+//! gradients.
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{DType, TensorMetadata};
+use burn::tensor::{DType, Tensor, TensorMetadata};
 use burn_autodiff::Autodiff;
 use burn_autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 
+use super::kernel::chunk_rows;
 use super::{
-    LinearCrossEntropy, LinearCrossEntropyBackward, LinearCrossEntropyWithGrads, LossSpec,
+    LinearCrossEntropy, LinearCrossEntropyBackward, LinearCrossEntropyWeightGrad,
+    LinearCrossEntropyWithGrads, LinearCrossEntropyWithInputGrads, LossSpec,
 };
 use crate::BastileBackend;
 use crate::fused::{In, Out, register_grads};
 use crate::ops::cross_entropy::{LossPair, Reduction};
 use crate::ops::float;
 
-/// Scales precomputed gradients by the upstream scalar gradient.
+/// `g` times the upstream scalar gradient `dloss`.
+fn scaled<B: Backend>(g: FloatTensor<B>, dloss: &Tensor<B, 1>) -> FloatTensor<B> {
+    let factor = dloss.clone().cast(g.dtype());
+    if g.shape().num_dims() == 1 {
+        (float::<B, 1>(g) * factor).into_primitive().tensor()
+    } else {
+        (float::<B, 2>(g) * factor.reshape([1, 1]))
+            .into_primitive()
+            .tensor()
+    }
+}
+
+/// What the forward pass of a `Mean` / `Sum` loss leaves its backward pass.
+#[derive(Debug, Clone)]
+enum Precomputed<B: Backend> {
+    /// Every gradient (`hidden, weight, bias?`), from one chunk of every
+    /// token.
+    All(Vec<FloatTensor<B>>),
+    /// The input's and the bias's gradients, and what the weight's is
+    /// computed from.
+    InputGrads {
+        hidden: FloatTensor<B>,
+        bias: Option<FloatTensor<B>>,
+        saved: Saved<B>,
+    },
+}
+
+/// Scales precomputed gradients by the upstream scalar gradient, and
+/// computes the weight's when the forward pass did not.
 #[derive(Debug)]
 struct ScaledNode<const P: usize>;
 
 impl<B: BastileBackend, const P: usize> Backward<B, P> for ScaledNode<P> {
-    type State = Vec<FloatTensor<B>>;
+    type State = Precomputed<B>;
 
     fn backward(self, ops: Ops<Self::State, P>, grads: &mut Gradients, _: &mut Checkpointer) {
-        register_grads::<B, _, _, P>(ops, grads, |saved, dloss| {
-            let dloss = float::<B, 1>(dloss);
-            saved.into_iter().map(move |g| {
-                let factor = dloss.clone().cast(g.dtype());
-                if g.shape().num_dims() == 1 {
-                    (float::<B, 1>(g) * factor).into_primitive().tensor()
-                } else {
-                    (float::<B, 2>(g) * factor.reshape([1, 1]))
+        register_grads::<B, _, _, P>(ops, grads, |state, dloss| {
+            let factor = float::<B, 1>(dloss.clone());
+            match state {
+                Precomputed::All(saved) => saved
+                    .into_iter()
+                    .map(|g| scaled::<B>(g, &factor))
+                    .collect::<Vec<_>>(),
+                Precomputed::InputGrads {
+                    hidden,
+                    bias,
+                    saved: s,
+                } => {
+                    let dloss = float::<B, 1>(dloss)
+                        .cast(DType::F32)
                         .into_primitive()
-                        .tensor()
+                        .tensor();
+                    let op = LinearCrossEntropyWeightGrad { spec: s.spec };
+                    let weight = B::run(&op, (s.hidden, s.weight, s.bias, s.labels, s.lse, dloss));
+                    [Some(scaled::<B>(hidden, &factor)), Some(weight)]
+                        .into_iter()
+                        .chain([bias.map(|b| scaled::<B>(b, &factor))])
+                        .flatten()
+                        .collect()
                 }
-            })
+            }
         });
     }
+}
+
+/// Whether the fused loop covers all `tokens` in one chunk, so that the
+/// weight's gradient comes from the forward's own product (the largest
+/// allocation the device allows is taken as unbounded: a device that
+/// bounds the chunk more computes the weight's gradient in its forward's
+/// second pass instead, the same result).
+fn one_chunk(tokens: usize, vocab: usize, dtype: DType, spec: &LossSpec) -> bool {
+    chunk_rows(tokens, vocab, dtype.size(), u64::MAX, spec.chunk_size) >= tokens
 }
 
 /// What the deferred backward pass recomputes from.
@@ -52,6 +109,23 @@ struct Saved<B: Backend> {
     labels: IntTensor<B>,
     lse: FloatTensor<B>,
     spec: LossSpec,
+}
+
+impl<B: Backend> Saved<B> {
+    fn new(
+        (hidden, weight, bias, labels): In<LinearCrossEntropy, B>,
+        lse: FloatTensor<B>,
+        spec: LossSpec,
+    ) -> Self {
+        Self {
+            hidden,
+            weight,
+            bias,
+            labels,
+            lse,
+            spec,
+        }
+    }
 }
 
 /// Recomputes the chunks with per-token upstream gradients (`None`).
@@ -88,17 +162,12 @@ fn node<B: BastileBackend, C: CheckpointStrategy, const P: usize>(
             .stateful()
         {
             OpsKind::Tracked(prep) => {
-                let inputs = (hidden.clone(), weight.clone(), bias.clone(), labels.clone());
-                let (loss, lse) = B::run(&forward, inputs);
-                let saved = Saved {
-                    hidden,
-                    weight,
-                    bias,
-                    labels,
-                    lse: lse.clone(),
-                    spec,
-                };
-                (prep.finish(saved, loss), lse)
+                let inputs = (hidden, weight, bias, labels);
+                let (loss, lse) = B::run(&forward, inputs.clone());
+                (
+                    prep.finish(Saved::new(inputs, lse.clone(), spec), loss),
+                    lse,
+                )
             }
             OpsKind::UnTracked(prep) => {
                 let (loss, lse) = B::run(&forward, (hidden, weight, bias, labels));
@@ -112,9 +181,22 @@ fn node<B: BastileBackend, C: CheckpointStrategy, const P: usize>(
             .stateful()
         {
             OpsKind::Tracked(prep) => {
-                let with_grads = LinearCrossEntropyWithGrads { spec };
-                let ((loss, lse), g) = B::run(&with_grads, (hidden, weight, bias, labels));
-                (prep.finish(g.into_vec(), loss), lse)
+                let (tokens, vocab) = (hidden.shape()[0], weight.shape()[0]);
+                if one_chunk(tokens, vocab, hidden.dtype(), &spec) {
+                    let with_grads = LinearCrossEntropyWithGrads { spec };
+                    let ((loss, lse), g) = B::run(&with_grads, (hidden, weight, bias, labels));
+                    (prep.finish(Precomputed::All(g.into_vec()), loss), lse)
+                } else {
+                    let with_grads = LinearCrossEntropyWithInputGrads { spec };
+                    let inputs = (hidden, weight, bias, labels);
+                    let ((loss, lse), (d_hidden, d_bias)) = B::run(&with_grads, inputs.clone());
+                    let state = Precomputed::InputGrads {
+                        hidden: d_hidden,
+                        bias: d_bias,
+                        saved: Saved::new(inputs, lse.clone(), spec),
+                    };
+                    (prep.finish(state, loss), lse)
+                }
             }
             OpsKind::UnTracked(prep) => {
                 let (loss, lse) = B::run(&forward, (hidden, weight, bias, labels));

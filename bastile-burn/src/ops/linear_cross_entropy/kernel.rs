@@ -11,16 +11,17 @@
 //! in f32 inside the products and rounded once, with no f32 `V × H`
 //! accumulator, for a third more matmul work than one pass. Extra memory:
 //! one chunk of logits (at most [`LOGITS_BYTES`]) in the first pass, one
-//! slice (at most [`SLICE_LOGITS_BYTES`]) beside `dW` in the second.
+//! slice (at most [`SLICE_LOGITS_BYTES`]) beside `dW` in the second. A
+//! differentiated mean or sum runs the second pass in the backward pass
+//! ([`Pass::WeightGrad`]), where the upstream gradient is known and folds
+//! into the logits' gradient.
 
-use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 use bastile_cubecl::cross_entropy::{CrossEntropyMode, VocabSlice};
 
-use super::LinearGrads;
 use crate::backend::matmul::{matmul_blas_into_rows, product};
 use crate::fused::cube::{as_rows, contiguous_i32, empty_like, stride_multiple};
 use crate::fused::{kernel, kernel_dtype};
@@ -36,15 +37,53 @@ pub(super) enum Pass {
     Stats,
     /// Losses, `lse` and the gradients of the scaled loss sum.
     StatsAndGrads,
-    /// Gradients for per-token upstream gradients (`dloss`, after the
-    /// inputs), from the forward's `lse` (before it).
+    /// Losses, `lse` and the gradients of the scaled loss sum for the
+    /// input and the bias: [`Pass::StatsAndGrads`] without the weight's,
+    /// which [`Pass::WeightGrad`] computes once the upstream gradient is
+    /// known.
+    StatsAndInputGrads,
+    /// Gradients for upstream gradients (`dloss`, after the inputs: `[1]`
+    /// or one per token), from the forward's `lse` (before it).
     Grads,
+    /// The weight's gradient alone for upstream gradients `dloss`, from
+    /// the forward's `lse`: the pass over vocabulary slices, with the
+    /// upstream gradient folded into the logits' gradient.
+    WeightGrad,
+}
+
+impl Pass {
+    /// Whether the pass takes the forward's `lse` and the upstream
+    /// gradients.
+    fn takes_upstream(self) -> bool {
+        matches!(self, Pass::Grads | Pass::WeightGrad)
+    }
+
+    /// Whether the pass returns the per-token losses and `lse`.
+    pub(super) fn returns_stats(self) -> bool {
+        matches!(
+            self,
+            Pass::Stats | Pass::StatsAndGrads | Pass::StatsAndInputGrads
+        )
+    }
+
+    /// Whether the pass returns the input's (and the bias's) gradient.
+    pub(super) fn returns_input_grads(self) -> bool {
+        matches!(
+            self,
+            Pass::StatsAndGrads | Pass::StatsAndInputGrads | Pass::Grads
+        )
+    }
+
+    /// Whether the pass returns the weight's gradient.
+    pub(super) fn returns_weight_grad(self) -> bool {
+        matches!(self, Pass::StatsAndGrads | Pass::Grads | Pass::WeightGrad)
+    }
 }
 
 /// One run of the chunk loop. Inputs: `hidden, weight, bias?` (then `lse,
-/// dloss` for [`Pass::Grads`]), and the labels; outputs: the per-token
-/// `losses, lse` for the stats passes, then the gradients `hidden, weight,
-/// bias?` for the gradient passes.
+/// dloss` for the passes that take the upstream gradient), and the labels;
+/// outputs, in this order, what the pass returns of: the per-token
+/// `losses, lse`, the gradients of `hidden`, `weight` and `bias?`.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct ChunkLoop {
     pub spec: LossSpec,
@@ -56,7 +95,7 @@ kernel!(
     ChunkLoop,
     "bastile_linear_cross_entropy",
     |op, mut floats, mut ints| {
-        let upstream = (op.pass == Pass::Grads).then(|| {
+        let upstream = op.pass.takes_upstream().then(|| {
             let dloss = floats.pop().expect("dloss");
             (floats.pop().expect("lse"), dloss)
         });
@@ -64,13 +103,13 @@ kernel!(
         let weight = floats.pop().expect("weight");
         let hidden = floats.pop().expect("hidden");
         let labels = ints.pop().expect("labels");
-        let (stats, grads) =
-            run::<R, F, I, BT>(hidden, weight, bias, labels, &op.spec, op.pass, upstream);
-        let stats = stats.map(|(losses, lse)| [losses, lse]);
+        let out = run::<R, F, I, BT>(hidden, weight, bias, labels, &op.spec, op.pass, upstream);
+        let stats = out.stats.map(|(losses, lse)| [losses, lse]);
+        let grads = [out.hidden, out.weight, out.bias];
         stats
             .into_iter()
             .flatten()
-            .chain(grads.map(LinearGrads::into_vec).unwrap_or_default())
+            .chain(grads.into_iter().flatten())
             .collect()
     }
 );
@@ -151,9 +190,16 @@ fn mm<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     ))
 }
 
-/// Runs the chunk loop: per-token `(losses, lse)` for the stats passes and
-/// the gradients for the gradient passes.
-#[allow(clippy::type_complexity)]
+/// What a run of the chunk loop returns, as its [`Pass`] says.
+struct LoopOut<T> {
+    /// The per-token `(losses, lse)`.
+    stats: Option<(T, T)>,
+    hidden: Option<T>,
+    weight: Option<T>,
+    bias: Option<T>,
+}
+
+/// Runs the chunk loop of `pass`.
 fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     hidden: CubeTensor<R>,
     weight: CubeTensor<R>,
@@ -162,10 +208,7 @@ fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     spec: &LossSpec,
     pass: Pass,
     upstream: Option<(CubeTensor<R>, CubeTensor<R>)>,
-) -> (
-    Option<(CubeTensor<R>, CubeTensor<R>)>,
-    Option<LinearGrads<FloatTensor<Cube<R, F, I, BT>>>>,
-) {
+) -> LoopOut<CubeTensor<R>> {
     let client = hidden.client.clone();
     let dtype = hidden.dtype;
     let h = float::<R, F, I, BT, 2>(hidden);
@@ -181,18 +224,22 @@ fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
         client.properties().memory.max_page_size,
         spec.chunk_size,
     );
-    let (mode, row_inputs) = match (pass, upstream) {
-        (Pass::Stats, _) => (CrossEntropyMode::Stats, None),
-        (Pass::StatsAndGrads, _) => (CrossEntropyMode::StatsAndGrad, None),
-        (Pass::Grads, None) => unreachable!("a gradient pass is given lse and dloss"),
-        (Pass::Grads, Some((lse, dloss))) => (
-            CrossEntropyMode::Grad,
-            Some((
-                float::<R, F, I, BT, 1>(burn_cubecl::kernel::into_contiguous(lse)),
-                float::<R, F, I, BT, 1>(burn_cubecl::kernel::into_contiguous(dloss)),
-            )),
-        ),
+    let mode = match pass {
+        Pass::Stats => CrossEntropyMode::Stats,
+        Pass::StatsAndGrads | Pass::StatsAndInputGrads => CrossEntropyMode::StatsAndGrad,
+        Pass::Grads | Pass::WeightGrad => CrossEntropyMode::Grad,
     };
+    let row_inputs = upstream.map(|(lse, dloss)| {
+        (
+            float::<R, F, I, BT, 1>(burn_cubecl::kernel::into_contiguous(lse)),
+            float::<R, F, I, BT, 1>(burn_cubecl::kernel::into_contiguous(dloss)),
+        )
+    });
+    assert_eq!(
+        row_inputs.is_some(),
+        pass.takes_upstream(),
+        "a pass takes lse and dloss exactly when it is given the upstream gradient"
+    );
     let kernel_dtype = kernel_dtype(dtype).expect("validated dtype");
     let wt = w.clone().transpose();
     // The logits of `h_rows · Wᵀ (+ b)` for vocabulary rows `v0 .. v0 + cols`.
@@ -208,6 +255,7 @@ fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
         as_rows(prim(logits))
     };
     let single_chunk = chunk >= n;
+    let first_pass = pass != Pass::WeightGrad;
     let mut losses = Vec::new();
     let mut lses = Vec::new();
     let mut dh = Vec::new();
@@ -216,7 +264,9 @@ fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     let mut dw = None;
     // `db` sums in f32 across chunks (a vocabulary of floats).
     let mut db: Option<Tensor<Cube<R, F, I, BT>, 1>> = None;
-    for start in (0..n).step_by(chunk) {
+    // The weight-gradient pass skips the chunks: it is the second pass
+    // alone.
+    for start in (0..n).step_by(chunk).filter(|_| first_pass) {
         let end = (start + chunk).min(n);
         let rows = end - start;
         let hc = h.clone().narrow(0, start, rows);
@@ -257,7 +307,7 @@ fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
         // The logits now hold their gradient.
         let dlogits = float::<R, F, I, BT, 2>(logits);
         dh.push(mm(dlogits.clone(), w.clone(), dtype));
-        if single_chunk {
+        if single_chunk && pass.returns_weight_grad() {
             dw = Some(mm(dlogits.clone().transpose(), hc, dtype));
         }
         if b.is_some() {
@@ -268,12 +318,21 @@ fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
             });
         }
     }
-    let stats = (mode != CrossEntropyMode::Grad)
+    let stats = pass
+        .returns_stats()
         .then(|| (prim(Tensor::cat(losses, 0)), prim(Tensor::cat(lses, 0))));
-    if mode == CrossEntropyMode::Stats {
-        return (stats, None);
-    }
-    let dw = dw.unwrap_or_else(|| {
+    let (dh, db) = if pass.returns_input_grads() {
+        (
+            Some(prim(Tensor::cat(dh, 0))),
+            db.map(|db| prim(db.cast(dtype))),
+        )
+    } else {
+        (None, None)
+    };
+    let dw = pass.returns_weight_grad().then(|| {
+        if let Some(dw) = dw {
+            return dw;
+        }
         // Several chunks: `dW` slice by vocabulary slice, each the product
         // over every token at once (summed in f32 inside the product,
         // rounded once), from its columns' logits computed again and
@@ -324,12 +383,12 @@ fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
         }
         float::<R, F, I, BT, 2>(dw)
     });
-    let grads = LinearGrads {
-        hidden: prim(Tensor::cat(dh, 0)),
-        weight: prim(dw),
-        bias: db.map(|db| prim(db.cast(dtype))),
-    };
-    (stats, Some(grads))
+    LoopOut {
+        stats,
+        hidden: dh,
+        weight: dw.map(prim),
+        bias: db,
+    }
 }
 
 #[cfg(test)]

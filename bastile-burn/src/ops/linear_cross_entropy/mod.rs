@@ -11,8 +11,10 @@
 //! slices (see `kernel.rs`). The extra memory is one chunk of logits.
 //! With `Mean` / `Sum` the gradients are computed during the forward pass
 //! (when anything requires them) and only scaled by the upstream gradient
-//! in the backward pass; with `None` the backward pass recomputes the
-//! chunks with the per-token upstream gradients.
+//! in the backward pass, except `d_weight` from several chunks: the
+//! backward pass runs its pass over vocabulary slices, the upstream
+//! gradient folded in. With `None` the backward pass recomputes the chunks
+//! with the per-token upstream gradients.
 
 mod autodiff;
 pub(crate) mod kernel;
@@ -233,11 +235,27 @@ pub struct LinearCrossEntropyWithGrads {
     pub spec: LossSpec,
 }
 
+/// [`LinearCrossEntropy`] that also returns the gradients of the loss (for
+/// an upstream gradient of 1) for the input and the bias, not for the
+/// weight: `((loss, lse), (d_hidden, d_bias))`. The weight's gradient is
+/// [`LinearCrossEntropyWeightGrad`]'s, once the upstream gradient is known.
+#[derive(Clone, Copy, Debug)]
+pub struct LinearCrossEntropyWithInputGrads {
+    pub spec: LossSpec,
+}
+
 /// The gradients for an upstream gradient `dloss` (f32, `[1]` or `[N]`)
 /// from `(hidden, weight, bias, labels, lse, dloss)`, recomputed from the
 /// inputs and the forward's `lse`.
 #[derive(Clone, Copy, Debug)]
 pub struct LinearCrossEntropyBackward {
+    pub spec: LossSpec,
+}
+
+/// [`LinearCrossEntropyBackward`]'s weight gradient alone, from the same
+/// inputs.
+#[derive(Clone, Copy, Debug)]
+pub struct LinearCrossEntropyWeightGrad {
     pub spec: LossSpec,
 }
 
@@ -247,15 +265,6 @@ fn problem_of<B: Backend>(hidden: &FloatTensor<B>) -> (Device<B>, CrossEntropyQu
         dtype: hidden.dtype(),
     };
     (B::float_device(hidden), query)
-}
-
-/// The shapes and dtypes of a linear layer's gradients.
-fn grad_outputs<T: TensorMetadata>(hidden: &T, weight: &T, bias: Option<&T>) -> Vec<TensorSpec> {
-    [Some(hidden), Some(weight), bias]
-        .into_iter()
-        .flatten()
-        .map(TensorSpec::of)
-        .collect()
 }
 
 /// Runs the chunk loop of `pass`: the per-token `(losses, lse)` (stats
@@ -272,13 +281,16 @@ fn chunk_loop<K: KernelBackend>(
     extra: Vec<FloatTensor<K>>,
 ) -> Vec<FloatTensor<K>> {
     let mut outputs = Vec::new();
-    if pass != Pass::Grads {
+    if pass.returns_stats() {
         let per_token = TensorSpec::new(Shape::new([hidden.shape()[0]]), DType::F32);
         outputs.extend([per_token.clone(), per_token]);
     }
-    if pass != Pass::Stats {
-        outputs.extend(grad_outputs(&hidden, &weight, bias.as_ref()));
-    }
+    let grads = [
+        pass.returns_input_grads().then_some(&hidden),
+        pass.returns_weight_grad().then_some(&weight),
+        bias.as_ref().filter(|_| pass.returns_input_grads()),
+    ];
+    outputs.extend(grads.into_iter().flatten().map(TensorSpec::of));
     let kernel = ChunkLoop {
         spec,
         pass,
@@ -324,6 +336,46 @@ fused_op! {
         let lse = out.pop().expect("the per-token lse");
         let rows = out.pop().expect("the per-token losses");
         ((reduce_rows::<K>(rows, &self.spec), lse), grads)
+    }
+}
+
+fused_op! {
+    LinearCrossEntropyWithInputGrads: Some(Op::LinearCrossEntropy),
+    (F, F, Option<F>, I) => (LossPair<F>, (F, Option<F>)),
+    |_, (hidden, ..)| -> CrossEntropyQuery { problem_of::<B>(hidden) }
+
+    fn composite<B: Backend>(&self, (hidden, weight, bias, labels): In<Self, B>) -> Out<Self, B> {
+        let (loss, grads) = composite_with_grads::<B>(hidden, weight, bias, labels, self.spec);
+        (loss, (grads.hidden, grads.bias))
+    }
+
+    fn kernels<K: KernelBackend>(&self, _: (), input: In<Self, K>) -> Out<Self, K> {
+        let has_bias = input.2.is_some();
+        let mut out = chunk_loop::<K>(self.spec, Pass::StatsAndInputGrads, input, vec![]);
+        let bias = if has_bias { out.pop() } else { None };
+        let hidden = out.pop().expect("the input's gradient");
+        let lse = out.pop().expect("the per-token lse");
+        let rows = out.pop().expect("the per-token losses");
+        ((reduce_rows::<K>(rows, &self.spec), lse), (hidden, bias))
+    }
+}
+
+fused_op! {
+    LinearCrossEntropyWeightGrad: Some(Op::LinearCrossEntropy),
+    (F, F, Option<F>, I, F, F) => F,
+    |_, (hidden, ..)| -> CrossEntropyQuery { problem_of::<B>(hidden) }
+
+    fn composite<B: Backend>(&self, input: In<Self, B>) -> Out<Self, B> {
+        let (hidden, weight, bias, labels, lse, dloss) = input;
+        composite_backward::<B>(hidden, weight, bias, labels, lse, dloss, self.spec).weight
+    }
+
+    fn kernels<K: KernelBackend>(&self, _: (), input: In<Self, K>) -> Out<Self, K> {
+        let (hidden, weight, bias, labels, lse, dloss) = input;
+        let extra = vec![lse, f32_of::<K>(dloss)];
+        let mut out =
+            chunk_loop::<K>(self.spec, Pass::WeightGrad, (hidden, weight, bias, labels), extra);
+        out.pop().expect("the weight's gradient")
     }
 }
 
