@@ -185,10 +185,11 @@ pub struct Args {
     #[arg(long, value_name = "R")]
     pub lora: Option<usize>,
     /// Training: how GPT-OSS's experts run in Bastile's models (the
-    /// PyTorch rows are HF's own): routed (the default), each on the tokens
-    /// the router sent it, or dense, every expert on every token.
-    #[arg(long, value_enum, value_name = "HOW", default_value = "routed")]
-    pub experts: ExpertsArg,
+    /// PyTorch rows are HF's own): routed (the model's default), each on
+    /// the tokens the router sent it, or dense, every expert on every
+    /// token; an error for a model without experts.
+    #[arg(long, value_enum, value_name = "HOW")]
+    pub experts: Option<ExpertsArg>,
     /// Training: activation checkpointing, every layer (or every N-th):
     /// each keeps only its input and runs again in the backward pass (HF's
     /// gradient checkpointing on the PyTorch side).

@@ -234,8 +234,8 @@ pub fn sweep(args: &Args, models: &[String], report: &mut Report) {
                     if let Some(every) = args.checkpointing {
                         name = format!("{name}, checkpointing {}", Checkpointing::Every(every));
                     }
-                    if args.experts == crate::ExpertsArg::Dense {
-                        name = format!("{name}, dense experts");
+                    if let Some(experts) = args.experts {
+                        name = format!("{name}, {} experts", experts.name());
                     }
                     if devices > 1 {
                         name = format!("{name}, {devices} GPUs");
@@ -409,7 +409,7 @@ fn child(exe: &Path, args: &Args, task: &str, config: &Config, caches: Option<Ca
         .args(["--devices", &devices.to_string()])
         .args(&lora)
         .args(&checkpointing)
-        .args(["--experts", args.experts.name()])
+        .args(args.experts.iter().flat_map(|e| ["--experts", e.name()]))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn();
@@ -610,7 +610,7 @@ impl<'a> Run<'a> {
             checkpointing: args
                 .checkpointing
                 .map_or(Checkpointing::Off, Checkpointing::Every),
-            expert_routing: args.experts.routing(),
+            expert_routing: args.experts.map(crate::ExpertsArg::routing),
             first_step_only: args.first_step_only,
             precompile: imp != TrainImpl::Burn && args.runtime == Some(crate::Runtime::Cuda),
         }
@@ -638,7 +638,8 @@ struct Run<'a> {
     /// LoRA rank: adapters on every projection of the frozen model.
     lora: Option<usize>,
     checkpointing: Checkpointing,
-    expert_routing: ExpertRouting,
+    /// `None`: the model's own.
+    expert_routing: Option<ExpertRouting>,
     /// Stop after step 0 and report only the start.
     first_step_only: bool,
     /// Compile the step's kernels in worker processes on a fresh machine
@@ -693,8 +694,8 @@ where
                 None => Ok(m),
             })
             .and_then(|m| m.with_checkpointing(checkpointing))
-            .and_then(|m| match m.expert_routing() {
-                Some(_) => m.with_expert_routing(expert_routing),
+            .and_then(|m| match expert_routing {
+                Some(routing) => m.with_expert_routing(routing),
                 None => Ok(m),
             })
             .map_err(|e| e.to_string())

@@ -449,7 +449,7 @@ mod tests {
         // Never past the tokens: an expert takes each token at most once.
         assert_eq!(group_capacity(&[3, 70, 10], 100), 100);
         assert_eq!(group_capacity(&[5, 2], 5), 5);
-        // Empty groups still give one row.
+        // Without assignments, one row rounded up like any other.
         assert_eq!(group_capacity(&[0, 0], 37), 37);
         assert_eq!(group_capacity(&[], 0), 1);
     }
