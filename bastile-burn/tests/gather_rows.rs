@@ -3,7 +3,9 @@
 //! through the inverse) against `B` (Burn's `select`, whose backward
 //! scatters) and the f64 reference, with every row copied `copies` times
 //! as routed experts copy their tokens, padding rows that copy row 0 but
-//! carry no gradient, and a row copied once.
+//! carry no gradient, rows nothing copies (their `sources` all padding, as
+//! a group's padding rows are when expert outputs are gathered back), and
+//! a row copied once.
 
 use crate::common::*;
 use bastile::{Bastile, BastileBackend, BastileError, gather_rows};
@@ -25,10 +27,15 @@ struct Problem {
 }
 
 impl Problem {
-    /// Every row copied `copies` times to shuffled output rows, then
-    /// `padding` rows copying row 0 that no source names.
-    fn new(rng: &mut Rng, [rows, hidden, copies, padding]: [usize; 4], dtype: DType) -> Self {
-        let copied = rows * copies;
+    /// Every row but the last `uncopied` copied `copies` times to shuffled
+    /// output rows, then `padding` rows copying row 0 that no source names.
+    fn new(
+        rng: &mut Rng,
+        [copied_rows, hidden, copies, padding, uncopied]: [usize; 5],
+        dtype: DType,
+    ) -> Self {
+        let rows = copied_rows + uncopied;
+        let copied = copied_rows * copies;
         let out_rows = copied + padding;
         // A shuffle of the copied rows' places (Fisher–Yates).
         let mut places: Vec<usize> = (0..copied).collect();
@@ -37,7 +44,8 @@ impl Problem {
             places.swap(i, j);
         }
         let mut index = vec![0i64; out_rows];
-        let mut sources = vec![0i64; rows * copies];
+        // The uncopied rows' entries name no row (`out_rows`).
+        let mut sources = vec![out_rows as i64; rows * copies];
         for (k, &place) in places.iter().enumerate() {
             index[place] = (k / copies) as i64;
             sources[k] = place as i64;
@@ -64,7 +72,11 @@ impl Problem {
             .flat_map(|&r| self.x[r as usize * h..][..h].to_vec())
             .collect();
         let mut dx = vec![0.0; self.rows * h];
+        let out_rows = self.index.len() as i64;
         for (k, &place) in self.sources.iter().enumerate() {
+            if place == out_rows {
+                continue;
+            }
             let r = k / self.copies;
             for j in 0..h {
                 dx[r * h + j] += self.dout[place as usize * h + j];
@@ -108,15 +120,18 @@ backend_test! {
                 device,
                 &query
             ));
-            // [rows, hidden, copies, padding]: routed-expert shapes (each
-            // token in top-k groups, groups padded), a row copied once, odd
-            // sizes.
-            for sizes in [[1usize, 1, 1, 0], [13, 7, 4, 5], [9, 33, 1, 3]] {
+            // [copied rows, hidden, copies, padding, uncopied rows]:
+            // routed-expert shapes (each token in top-k groups, groups
+            // padded; expert rows gathered back, the padding's gathering
+            // nothing), a row copied once, odd sizes.
+            for sizes in [[1usize, 1, 1, 0, 0], [13, 7, 4, 5, 0], [9, 33, 1, 3, 4], [6, 40, 1, 0, 5]] {
                 let problem = Problem::new(&mut rng, sizes, dtype);
                 let expected = problem.reference();
                 // A row's gradient rounds once per copy added to it.
                 let tol = 4.0 * tolerance(kdtype(dtype));
-                let what = format!("{name} {dtype:?} [rows, hidden, copies, padding] = {sizes:?}");
+                let what = format!(
+                    "{name} {dtype:?} [copied rows, hidden, copies, padding, uncopied] = {sizes:?}"
+                );
                 let fused = problem.run::<Bastile<B>>(dtype, device);
                 // Gathering copies rows: exact.
                 assert_eq!(fused[0], expected[0], "rows {what}");

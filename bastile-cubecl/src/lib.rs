@@ -15,6 +15,7 @@ pub mod dtype;
 pub mod elementwise;
 pub mod embedding;
 pub mod error;
+pub mod gather;
 pub mod geglu;
 pub mod gemm_layout;
 pub mod glu;

@@ -7,7 +7,7 @@ use burn_autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 
-use super::{GatherRows, gather_back};
+use super::{GatherRows, GatherRowsBack};
 use crate::BastileBackend;
 use crate::fused::{In, Out};
 
@@ -23,7 +23,7 @@ impl<B: BastileBackend> Backward<B, 1> for Node {
         let [Some(parent)] = ops.parents else {
             return;
         };
-        grads.register::<B>(parent.id, gather_back::<B>(dout, ops.state));
+        grads.register::<B>(parent.id, B::run(&GatherRowsBack, (dout, ops.state)));
     }
 }
 

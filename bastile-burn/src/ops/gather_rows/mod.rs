@@ -1,6 +1,6 @@
 //! Rows gathered by an index the caller can invert: the checked entry
-//! point, the reference math and the op's declaration; its autodiff node
-//! in `autodiff.rs`.
+//! point, the reference math and the ops' declarations; the autodiff node
+//! in `autodiff.rs`, the backward kernel's launch in `kernel.rs`.
 //!
 //! Routed experts copy each token's row once per expert that chose it and
 //! gather the experts' output rows back in token order. Burn's `select`
@@ -9,15 +9,17 @@
 //! rows one after another. The caller knows where each row went, so it
 //! also hands over the inverse (for every source row, the output rows that
 //! copy it), and the backward pass gathers those rows' gradients and sums
-//! them: both passes are gathers, parallel over every element.
+//! them: both passes are gathers, parallel over every element, the
+//! backward one kernel ([`GatherRowsBack`]).
 
 mod autodiff;
+mod kernel;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Int, Shape, Tensor, TensorMetadata};
 
-use crate::fused::{DTypeQuery, In, KernelBackend, Out, fused_op};
+use crate::fused::{DTypeQuery, In, KernelBackend, Out, TensorSpec, fused_op};
 use crate::ops::{check_float, check_same_device, float};
 use crate::patches::Op;
 use crate::{BastileBackend, BastileError};
@@ -90,6 +92,32 @@ fn gather_back<B: Backend>(dout: FloatTensor<B>, sources: IntTensor<B>) -> Float
     }
     let picked = B::float_reshape(picked, Shape::new([rows, copies, hidden]));
     B::float_reshape(B::float_sum_dim(picked, 1), Shape::new([rows, hidden]))
+}
+
+/// `(dout, sources)` to the gathered rows' gradient: for every row of
+/// `sources`, the sum of the rows of `dout` its entries name (an entry
+/// equal to `dout`'s row count names none). One kernel on `CubeBackend`,
+/// where the composite concatenates a zero row to `dout` (a copy of it),
+/// gathers every entry's row and sums them.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GatherRowsBack;
+
+fused_op! {
+    GatherRowsBack: Some(Op::Moe), (F, I) => F,
+    |_, (dout, _)| -> DTypeQuery {
+        (B::float_device(dout), DTypeQuery { dtype: dout.dtype() })
+    }
+
+    fn composite<B: Backend>(&self, (dout, sources): In<Self, B>) -> Out<Self, B> {
+        gather_back::<B>(dout, sources)
+    }
+
+    fn kernels<K: KernelBackend>(&self, _: (), (dout, sources): In<Self, K>) -> Out<Self, K> {
+        let [rows, hidden] = [sources.shape()[0], dout.shape()[1]];
+        let spec = TensorSpec::new(Shape::new([rows, hidden]), dout.dtype());
+        let mut out = K::launch(self, vec![dout], vec![sources], vec![spec]);
+        out.pop().expect("the gradient")
+    }
 }
 
 /// `(x, index, sources)` to the rows of `x` at `index`.

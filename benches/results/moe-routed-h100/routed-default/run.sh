@@ -50,7 +50,8 @@ for l in open('$R/$run.jsonl'):
 import json
 for l in open('$R/$run.jsonl'):
     r = json.loads(l); print('$run', r['implementation'], 'ms', round(r.get('ms_per_step') or 0, 1), 'in use', round(r.get('in_use_mib') or 0), r.get('error'))" 2>&1 | tail -3 ;;
-    moe-op) bench $B $run 0 --op moe ;;
+    moe-op|moe-op-2) bench $B $run 0 --op moe ;;
+    moe-op-old*) bench ${OLD:-bench-a} $run 0 --op moe ;;
     moe-trace) bench $B $run api --op moe --samples 3; python3 benches/cupti/gpu_busy.py <(xz -dc $R/k-$run.txt.xz | grep "^K") 60 > $R/busy-$run.txt 2>&1; head -45 $R/busy-$run.txt ;;
     qwen-old*) bench ${OLD:-bench-a} $run 0 --model qwen3-0.6b --batch 1 --seq 2048 --impl bastile --steps 12 --no-cold-start ;;
     llama-old*) bench ${OLD:-bench-a} $run 0 --model llama-3.2-1b --batch 1 --seq 4096 --impl bastile --steps 12 --no-cold-start ;;
