@@ -60,28 +60,6 @@ pub enum OpName {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum ExpertsArg {
-    Routed,
-    Dense,
-}
-
-impl ExpertsArg {
-    pub fn routing(self) -> bastile_models::ExpertRouting {
-        match self {
-            Self::Routed => bastile_models::ExpertRouting::Routed,
-            Self::Dense => bastile_models::ExpertRouting::Dense,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Routed => "routed",
-            Self::Dense => "dense",
-        }
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum AttentionArg {
     Auto,
     Tiled,
@@ -189,7 +167,7 @@ pub struct Args {
     /// the tokens the router sent it, or dense, every expert on every
     /// token; an error for a model without experts.
     #[arg(long, value_enum, value_name = "HOW")]
-    pub experts: Option<ExpertsArg>,
+    pub experts: Option<bastile_cli::ExpertsArg>,
     /// Training: activation checkpointing, every layer (or every N-th):
     /// each keeps only its input and runs again in the backward pass (HF's
     /// gradient checkpointing on the PyTorch side).

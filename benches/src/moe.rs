@@ -81,11 +81,7 @@ fn capacity<B: BastileBackend>(moe: &Moe<B>, x: Tensor<B, 2>, experts: usize) ->
         .convert::<i64>()
         .into_vec()
         .expect("the routing");
-    let mut counts = vec![0usize; experts];
-    for e in chosen {
-        counts[e as usize] += 1;
-    }
-    group_capacity(&counts, tokens)
+    group_capacity(&chosen, experts, tokens)
 }
 
 /// The six batched products of the routed layer over groups of `capacity`

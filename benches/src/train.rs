@@ -610,7 +610,7 @@ impl<'a> Run<'a> {
             checkpointing: args
                 .checkpointing
                 .map_or(Checkpointing::Off, Checkpointing::Every),
-            expert_routing: args.experts.map(crate::ExpertsArg::routing),
+            expert_routing: args.experts.map(bastile_cli::ExpertsArg::routing),
             first_step_only: args.first_step_only,
             precompile: imp != TrainImpl::Burn && args.runtime == Some(crate::Runtime::Cuda),
         }

@@ -18,12 +18,40 @@ pub mod source;
 pub mod tokenizer;
 pub mod warmup;
 
+use bastile_models::ExpertRouting;
 use burn::tensor::DType;
 use clap::ValueEnum;
 
 use crate::device::{DeviceKind, RunInfo};
 
 pub use error::CliError;
+
+/// How a mixture of experts runs them (`--experts` of the command and the
+/// benchmark).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ExpertsArg {
+    /// Each expert on the tokens the router sent it.
+    Routed,
+    /// Every expert on every token, weighted 0 where not chosen.
+    Dense,
+}
+
+impl ExpertsArg {
+    pub fn routing(self) -> ExpertRouting {
+        match self {
+            Self::Routed => ExpertRouting::Routed,
+            Self::Dense => ExpertRouting::Dense,
+        }
+    }
+
+    /// The name the flag takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Routed => "routed",
+            Self::Dense => "dense",
+        }
+    }
+}
 
 /// The parameter dtype of a run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

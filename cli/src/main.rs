@@ -11,9 +11,9 @@ use bastile_cli::device::DeviceKind;
 use bastile_cli::finetune::{self, FinetuneOptions};
 use bastile_cli::generate::{self, GenerateOptions};
 use bastile_cli::warmup::{self, WarmupOptions};
-use bastile_cli::{CliError, DTypeArg};
+use bastile_cli::{CliError, DTypeArg, ExpertsArg};
 use bastile_models::lora::parse_targets;
-use bastile_models::{Checkpointing, ExpertRouting, LoraConfig, OptimizerKind};
+use bastile_models::{Checkpointing, LoraConfig, OptimizerKind};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Parser)]
@@ -278,22 +278,6 @@ impl LoraArgs {
                 .with_rslora(self.rslora)
                 .with_targets(parse_targets(&self.lora_targets)?),
         ))
-    }
-}
-
-/// `--experts`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum ExpertsArg {
-    Routed,
-    Dense,
-}
-
-impl ExpertsArg {
-    fn routing(self) -> ExpertRouting {
-        match self {
-            Self::Routed => ExpertRouting::Routed,
-            Self::Dense => ExpertRouting::Dense,
-        }
     }
 }
 

@@ -205,11 +205,7 @@ impl<B: BastileBackend> Moe<B> {
             .convert::<i64>()
             .into_vec()
             .map_err(|e| ModelError::Device(format!("reading the expert routing back: {e:?}")))?;
-        let mut counts = vec![0usize; experts];
-        for &expert in &chosen {
-            counts[expert as usize] += 1;
-        }
-        let capacity = group_capacity(&counts, t);
+        let capacity = group_capacity(&chosen, experts, t);
         // Row `e * capacity + i` of the groups holds expert `e`'s `i`-th
         // assignment in token order (assignment `slot` is token `slot / k`'s
         // `slot % k`-th choice); rows past an expert's count repeat token 0
@@ -252,15 +248,19 @@ impl<B: BastileBackend> Moe<B> {
     }
 }
 
-/// The rows every expert's group is padded to on the routed path, for
-/// `counts` token-expert assignments per expert over `tokens` tokens: the
-/// largest group's, rounded up to [`CAPACITY_STEP`] rows but never past
-/// `tokens` (an expert takes each token at most once). Each new capacity
-/// is a new shape for the experts' products, whose first call costs
-/// milliseconds of host time (the matmul's algorithm choice and kernel
-/// load); rounded, the shapes repeat across layers and steps.
-pub fn group_capacity(counts: &[usize], tokens: usize) -> usize {
-    let largest = counts.iter().copied().max().unwrap_or(0).max(1);
+/// The rows every expert's group is padded to on the routed path, for the
+/// `chosen` expert (in `0..experts`) of every token-expert assignment over
+/// `tokens` tokens: the largest group's, rounded up to [`CAPACITY_STEP`]
+/// rows but never past `tokens` (an expert takes each token at most once).
+/// Each new capacity is a new shape for the experts' products, whose first
+/// call costs milliseconds of host time (the matmul's algorithm choice and
+/// kernel load); rounded, the shapes repeat across layers and steps.
+pub fn group_capacity(chosen: &[i64], experts: usize, tokens: usize) -> usize {
+    let mut counts = vec![0usize; experts];
+    for &expert in chosen {
+        counts[expert as usize] += 1;
+    }
+    let largest = counts.into_iter().max().unwrap_or(0).max(1);
     largest
         .next_multiple_of(CAPACITY_STEP)
         .min(tokens)
@@ -439,18 +439,27 @@ impl<B: Backend> crate::CausalLm<B> {
 
 #[cfg(test)]
 mod tests {
-    use super::group_capacity;
+    /// The capacity for groups of `counts` assignments, the assignments
+    /// interleaved across the experts.
+    fn capacity(counts: &[usize], tokens: usize) -> usize {
+        let largest = counts.iter().copied().max().unwrap_or(0);
+        let chosen: Vec<i64> = (0..largest)
+            .flat_map(|i| (0..counts.len()).filter(move |&e| i < counts[e]))
+            .map(|e| e as i64)
+            .collect();
+        super::group_capacity(&chosen, counts.len(), tokens)
+    }
 
     #[test]
     fn capacity_is_the_largest_group_rounded_up_to_64_rows_within_the_tokens() {
-        assert_eq!(group_capacity(&[3, 70, 10], 4096), 128);
-        assert_eq!(group_capacity(&[64, 5], 4096), 64);
-        assert_eq!(group_capacity(&[530, 577, 512], 4096), 640);
+        assert_eq!(capacity(&[3, 70, 10], 4096), 128);
+        assert_eq!(capacity(&[64, 5], 4096), 64);
+        assert_eq!(capacity(&[530, 577, 512], 4096), 640);
         // Never past the tokens: an expert takes each token at most once.
-        assert_eq!(group_capacity(&[3, 70, 10], 100), 100);
-        assert_eq!(group_capacity(&[5, 2], 5), 5);
+        assert_eq!(capacity(&[3, 70, 10], 100), 100);
+        assert_eq!(capacity(&[5, 2], 5), 5);
         // Without assignments, one row rounded up like any other.
-        assert_eq!(group_capacity(&[0, 0], 37), 37);
-        assert_eq!(group_capacity(&[], 0), 1);
+        assert_eq!(capacity(&[0, 0], 37), 37);
+        assert_eq!(capacity(&[], 0), 1);
     }
 }

@@ -24,7 +24,7 @@ use super::{
 use crate::BastileBackend;
 use crate::fused::{In, Out, register_grads};
 use crate::ops::cross_entropy::{LossPair, Reduction};
-use crate::ops::float;
+use crate::ops::{f32_of, float};
 
 /// `g` times the upstream scalar gradient `dloss`.
 fn scaled<B: Backend>(g: FloatTensor<B>, dloss: &Tensor<B, 1>) -> FloatTensor<B> {
@@ -74,11 +74,8 @@ impl<B: BastileBackend, const P: usize> Backward<B, P> for ScaledNode<P> {
                     bias,
                     saved: s,
                 } => {
-                    let dloss = float::<B, 1>(dloss)
-                        .cast(DType::F32)
-                        .into_primitive()
-                        .tensor();
                     let op = LinearCrossEntropyWeightGrad { spec: s.spec };
+                    let dloss = f32_of::<B>(dloss);
                     let weight = B::run(&op, (s.hidden, s.weight, s.bias, s.labels, s.lse, dloss));
                     [Some(scaled::<B>(hidden, &factor)), Some(weight)]
                         .into_iter()
@@ -137,10 +134,7 @@ impl<B: BastileBackend, const P: usize> Backward<B, P> for DeferredNode<P> {
 
     fn backward(self, ops: Ops<Self::State, P>, grads: &mut Gradients, _: &mut Checkpointer) {
         register_grads::<B, _, _, P>(ops, grads, |s: Saved<B>, dloss| {
-            let dloss = float::<B, 1>(dloss)
-                .cast(DType::F32)
-                .into_primitive()
-                .tensor();
+            let dloss = f32_of::<B>(dloss);
             let op = LinearCrossEntropyBackward { spec: s.spec };
             B::run(&op, (s.hidden, s.weight, s.bias, s.labels, s.lse, dloss)).into_vec()
         });
