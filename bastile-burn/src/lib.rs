@@ -76,6 +76,7 @@ pub use ops::cross_entropy::{
     CrossEntropyOptions, CrossEntropyOutput, LabelCheck, Reduction, cross_entropy, first_flagged,
 };
 pub use ops::embedding::{add_embedding_grad, embedding};
+pub use ops::expert_groups::{ExpertGroups, group_by_expert, group_capacity};
 pub use ops::gather_rows::gather_rows;
 pub use ops::geglu::geglu_oss;
 pub use ops::linear::linear;

@@ -9,6 +9,7 @@ mod checkpointing;
 mod cross_entropy;
 mod drop_in;
 mod embedding;
+mod expert_groups;
 mod gather_rows;
 mod geglu;
 mod lora;

@@ -15,6 +15,7 @@ pub mod dtype;
 pub mod elementwise;
 pub mod embedding;
 pub mod error;
+pub mod expert_groups;
 pub mod gather;
 pub mod geglu;
 pub mod gemm_layout;

@@ -311,6 +311,20 @@ pub fn upload_i32<R: cubecl::Runtime>(
     client.create_from_slice(&bytes)
 }
 
+/// Reads a buffer of i32 values back.
+pub fn download_i32<R: cubecl::Runtime>(
+    client: &cubecl::prelude::ComputeClient<R>,
+    handle: cubecl::server::Handle,
+) -> Vec<i32> {
+    let bytes = client
+        .read_one(handle)
+        .expect("reading a device buffer back");
+    bytes
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
 /// A buffer of `len` elements of `dtype`, every one NaN, so an element the
 /// kernel fails to write fails the comparison.
 pub fn poisoned<R: cubecl::Runtime>(

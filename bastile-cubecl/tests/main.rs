@@ -7,6 +7,7 @@ mod attention;
 mod buffers;
 mod cross_entropy;
 mod embedding;
+mod expert_groups;
 mod gather;
 mod geglu;
 mod rms_norm;

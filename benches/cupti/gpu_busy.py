@@ -6,12 +6,10 @@ the kernel time by name over the same span.
 Usage: python3 gpu_busy.py kernels.txt [W]
 """
 import sys
-ks = []
-for line in open(sys.argv[1]):
-    p = line.rstrip("\n").split(" ", 3)
-    if p[0] == "K":
-        ks.append((int(p[1]), int(p[2]), p[3] if len(p) > 3 else ""))
-ks.sort()
+
+from placed_trace import read_unplaced
+
+ks = read_unplaced(sys.argv[1])
 end = max(e for _, e, _ in ks)
 print("kernels", len(ks))
 def busy(t0, t1):

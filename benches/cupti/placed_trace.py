@@ -1,6 +1,7 @@
 """Reads a kernel trace written with KERNEL_TRACE_PLACE set
 (`kernel_trace.c`: lines `K start end [dD sS] name`) as
-`(start, end, device, stream, name)` tuples, sorted by start (ns), and
+`(start, end, device, stream, name)` tuples, sorted by start (ns), or any
+trace as `(start, end, name)` tuples, and
 finds a training step's window and the GPU's idle gaps in it (for any
 trace's `(start, end, name)` kernels)."""
 import re
@@ -20,6 +21,19 @@ def read(path):
             sys.exit(f"{path}: no [dD sS] in the names: trace with KERNEL_TRACE_PLACE set")
         device, stream, name = place.groups()
         kernels.append((int(parts[1]), int(parts[2]), int(device), int(stream), name))
+    kernels.sort()
+    return kernels
+
+
+def read_unplaced(path):
+    """A trace's kernels as `(start, end, name)` tuples sorted by start
+    (ns), whether or not it was written with KERNEL_TRACE_PLACE (the
+    place, when there, stays in the name)."""
+    kernels = []
+    for line in open(path):
+        parts = line.rstrip("\n").split(" ", 3)
+        if parts[0] == "K":
+            kernels.append((int(parts[1]), int(parts[2]), parts[3] if len(parts) > 3 else ""))
     kernels.sort()
     return kernels
 

@@ -8,11 +8,12 @@
 //! same groups the layer forms (every group padded to the largest one,
 //! `capacity` rows), forward and both gradients, on the same engine: six
 //! batched products, the floor the rest of the layer (router, top-k,
-//! the routing read, gathers, GEGLU, biases, weighting) adds to.
+//! the grouping and its read of the group sizes, gathers, GEGLU, biases,
+//! weighting) adds to.
 
-use bastile::{Bastile, BastileBackend, router_top_k};
+use bastile::{Bastile, BastileBackend, group_by_expert, router_top_k};
 use bastile_models::ExpertRouting;
-use bastile_models::moe::{Experts, Moe, group_capacity};
+use bastile_models::moe::{CAPACITY_STEP, Experts, Moe};
 use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, Param};
 use burn::nn::Linear;
@@ -73,15 +74,11 @@ fn layer<X: Backend>(
 
 /// The rows the routed path pads every expert's group to for `x`.
 fn capacity<B: BastileBackend>(moe: &Moe<B>, x: Tensor<B, 2>, experts: usize) -> usize {
-    let tokens = x.dims()[0];
     let logits = moe.router.forward(x);
     let (_, chosen) = router_top_k(logits, moe.top_k).expect("valid top-k");
-    let chosen: Vec<i64> = chosen
-        .into_data()
-        .convert::<i64>()
-        .into_vec()
-        .expect("the routing");
-    group_capacity(&chosen, experts, tokens)
+    group_by_expert(chosen, experts, CAPACITY_STEP)
+        .expect("the router's choices")
+        .capacity
 }
 
 /// The six batched products of the routed layer over groups of `capacity`

@@ -11,12 +11,12 @@
 //! LoRA adapters ([`MlpAdapters`]) add their updates to the router's
 //! logits and to each expert's products.
 
-use bastile::{BastileBackend, gather_rows, geglu_oss, router_top_k};
+use bastile::{BastileBackend, gather_rows, geglu_oss, group_by_expert, router_top_k};
 use burn::module::{Module, Param};
 use burn::nn::{Initializer, Linear, LinearConfig};
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
+use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor};
 
 use crate::ModelError;
 use crate::config::{MoeConfig, check_router_aux_loss};
@@ -49,8 +49,8 @@ pub enum ExpertRouting {
     /// `experts / top_k` times the routed path's expert flops.
     Dense,
     /// Each expert on the tokens routed to it: the token-expert assignments
-    /// grouped by expert (the routing is read back to the host once per
-    /// layer), the groups padded to the largest one (in steps of 64 rows),
+    /// grouped by expert on the device (their counts read back to the host
+    /// once per layer), the groups padded to the largest one (in steps of 64 rows),
     /// one batched `gate_up` and one `down` product over them, each token's
     /// rows gathered back and weighted. About `top_k / experts` of the
     /// dense path's expert flops and activations when the experts' loads
@@ -178,9 +178,9 @@ impl<B: BastileBackend> Moe<B> {
     }
 
     /// Each expert on its own tokens: the token-expert assignments grouped
-    /// by expert (the routing read back once per layer), every group padded
-    /// to `capacity` rows (the largest group's, rounded up to
-    /// [`CAPACITY_STEP`] rows), one batched product per
+    /// by expert on the device (only the group sizes read back, once per
+    /// layer), every group padded to `capacity` rows (the largest group's,
+    /// rounded up to [`CAPACITY_STEP`] rows), one batched product per
     /// projection over `[experts, capacity, ·]`, and each token's `top_k`
     /// rows gathered back and weighted. Both gathers know their inverse
     /// ([`gather_rows`]): their gradients are gathered too.
@@ -193,78 +193,29 @@ impl<B: BastileBackend> Moe<B> {
     ) -> Result<Tensor<B, 2>, ModelError> {
         let [t, h] = x.dims();
         let k = self.top_k;
-        let ex = &self.experts;
-        let experts = ex.gate_up_proj.dims()[0];
-        let device = x.device();
-        // Read and written as vectors: CubeCL copies a matrix row by row,
-        // and these rows are a few bytes each (about 0.3 ms a copy).
-        let chosen: Vec<i64> = chosen
-            .reshape([t * k])
-            .try_into_data()
-            .map_err(|e| ModelError::Device(format!("reading the expert routing back: {e}")))?
-            .convert::<i64>()
-            .into_vec()
-            .map_err(|e| ModelError::Device(format!("reading the expert routing back: {e:?}")))?;
-        let capacity = group_capacity(&chosen, experts, t);
+        let experts = self.experts.gate_up_proj.dims()[0];
         // Row `e * capacity + i` of the groups holds expert `e`'s `i`-th
-        // assignment in token order (assignment `slot` is token `slot / k`'s
-        // `slot % k`-th choice); rows past an expert's count repeat token 0
-        // and are never gathered back, so they add nothing to any gradient.
-        // Each gather's inverse gathers its gradient back: token `t`'s rows
-        // are `row_of_slot[t]`, row `r`'s slot is `slot_of_row[r]` (`t * k`,
-        // no slot, for the padding).
-        let rows = experts * capacity;
-        let mut token_of_row = vec![0i64; rows];
-        let mut slot_of_row = vec![(t * k) as i64; rows];
-        let mut row_of_slot = vec![0i64; t * k];
-        let mut filled = vec![0usize; experts];
-        for (slot, &expert) in chosen.iter().enumerate() {
-            let expert = expert as usize;
-            let row = expert * capacity + filled[expert];
-            filled[expert] += 1;
-            token_of_row[row] = (slot / k) as i64;
-            slot_of_row[row] = slot as i64;
-            row_of_slot[slot] = row as i64;
-        }
-        let ids = |values: Vec<i64>| {
-            let len = values.len();
-            Tensor::<B, 1, Int>::from_data(TensorData::new(values, [len]), &device)
-        };
-        let token_of_row = ids(token_of_row);
-        let row_of_slot = ids(row_of_slot).reshape([t, k]);
-        let slot_of_row = ids(slot_of_row).reshape([rows, 1]);
-        let groups =
-            gather_rows(x, token_of_row, row_of_slot.clone())?.reshape([experts, capacity, h]);
-        let out = self.expert_outputs(groups, adapters)?;
+        // assignment in token order; rows past an expert's count repeat
+        // token 0 and are never gathered back, so they add nothing to any
+        // gradient. Each gather's inverse gathers its gradient back: token
+        // `t`'s rows are `row_of_slot[t]`, row `r`'s assignment is
+        // `slot_of_row[r]` (`t * k`, none, for the padding).
+        let groups = group_by_expert(chosen, experts, CAPACITY_STEP)?;
+        let (capacity, rows) = (groups.capacity, experts * groups.capacity);
+        let row_of_slot = groups.row_of_slot.reshape([t, k]);
+        let grouped = gather_rows(x, groups.token_of_row, row_of_slot.clone())?
+            .reshape([experts, capacity, h]);
+        let out = self.expert_outputs(grouped, adapters)?;
         let per_choice = gather_rows(
             out.reshape([rows, h]),
             row_of_slot.reshape([t * k]),
-            slot_of_row,
+            groups.slot_of_row.reshape([rows, 1]),
         )?
         .reshape([t, k, h]);
         Ok((per_choice * weights.unsqueeze_dim::<3>(2))
             .sum_dim(1)
             .reshape([t, h]))
     }
-}
-
-/// The rows every expert's group is padded to on the routed path, for the
-/// `chosen` expert (in `0..experts`) of every token-expert assignment over
-/// `tokens` tokens: the largest group's, rounded up to [`CAPACITY_STEP`]
-/// rows but never past `tokens` (an expert takes each token at most once).
-/// Each new capacity is a new shape for the experts' products, whose first
-/// call costs milliseconds of host time (the matmul's algorithm choice and
-/// kernel load); rounded, the shapes repeat across layers and steps.
-pub fn group_capacity(chosen: &[i64], experts: usize, tokens: usize) -> usize {
-    let mut counts = vec![0usize; experts];
-    for &expert in chosen {
-        counts[expert as usize] += 1;
-    }
-    let largest = counts.into_iter().max().unwrap_or(0).max(1);
-    largest
-        .next_multiple_of(CAPACITY_STEP)
-        .min(tokens)
-        .max(largest)
 }
 
 /// Each expert's rows times its weight, plus its bias and its adapter's
@@ -434,32 +385,5 @@ impl<B: Backend> crate::CausalLm<B> {
                 self.config.architecture
             ))
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    /// The capacity for groups of `counts` assignments, the assignments
-    /// interleaved across the experts.
-    fn capacity(counts: &[usize], tokens: usize) -> usize {
-        let largest = counts.iter().copied().max().unwrap_or(0);
-        let chosen: Vec<i64> = (0..largest)
-            .flat_map(|i| (0..counts.len()).filter(move |&e| i < counts[e]))
-            .map(|e| e as i64)
-            .collect();
-        super::group_capacity(&chosen, counts.len(), tokens)
-    }
-
-    #[test]
-    fn capacity_is_the_largest_group_rounded_up_to_64_rows_within_the_tokens() {
-        assert_eq!(capacity(&[3, 70, 10], 4096), 128);
-        assert_eq!(capacity(&[64, 5], 4096), 64);
-        assert_eq!(capacity(&[530, 577, 512], 4096), 640);
-        // Never past the tokens: an expert takes each token at most once.
-        assert_eq!(capacity(&[3, 70, 10], 100), 100);
-        assert_eq!(capacity(&[5, 2], 5), 5);
-        // Without assignments, one row rounded up like any other.
-        assert_eq!(capacity(&[0, 0], 37), 37);
-        assert_eq!(capacity(&[], 0), 1);
     }
 }

@@ -19,6 +19,7 @@ const GPU_TESTS: &[&str] = &[
     "rope",
     "cross_entropy",
     "embedding",
+    "expert_groups",
     "gather",
     "gather_rows",
     "router",

@@ -6,6 +6,7 @@ pub mod adamw;
 pub mod attention;
 pub mod cross_entropy;
 pub mod embedding;
+pub mod expert_groups;
 pub mod gather_rows;
 pub mod geglu;
 pub mod linear;

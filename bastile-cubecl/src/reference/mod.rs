@@ -8,6 +8,7 @@ pub mod adamw;
 pub mod attention;
 pub mod cross_entropy;
 pub mod embedding;
+pub mod expert_groups;
 pub mod geglu;
 pub mod lora;
 pub mod rms_norm;
