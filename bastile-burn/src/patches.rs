@@ -23,7 +23,8 @@ pub enum Op {
     /// A token embedding lookup whose backward pass adds into the
     /// weight's existing gradient.
     Embedding,
-    /// The routed experts' row gathers, whose backward passes gather too.
+    /// The routed experts' row gathers, whose backward passes gather too,
+    /// the router's choice and the grouping of its assignments.
     Moe,
 }
 
@@ -94,8 +95,10 @@ pub struct Patches {
     /// existing one (tied embeddings: one `[vocab, hidden]` buffer).
     pub embedding: bool,
     /// Routed experts' row gathers ([`crate::gather_rows`]) whose gradients
-    /// are gathered back instead of scattered row by row, and the router's
-    /// top-k choice on the device ([`crate::router_top_k`]).
+    /// are gathered back instead of scattered row by row, the router's
+    /// top-k choice on the device ([`crate::router_top_k`]) and the
+    /// grouping of its assignments by expert on the device
+    /// ([`crate::group_by_expert`]).
     pub moe: bool,
 }
 
