@@ -72,6 +72,7 @@ pub use ops::attention::{
     AttentionKernels, AttentionOptions, attention, attention_kernels, document_starts,
     set_attention_kernels,
 };
+pub use ops::combine_rows::combine_rows;
 pub use ops::cross_entropy::{
     CrossEntropyOptions, CrossEntropyOutput, LabelCheck, Reduction, cross_entropy, first_flagged,
 };

@@ -6,6 +6,7 @@ mod common;
 mod adamw;
 mod attention;
 mod checkpointing;
+mod combine_rows;
 mod cross_entropy;
 mod drop_in;
 mod embedding;

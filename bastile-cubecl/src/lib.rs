@@ -8,6 +8,7 @@
 
 pub mod adamw;
 pub mod attention;
+pub mod combine;
 pub mod cross_entropy;
 #[cfg(feature = "cuda")]
 pub mod cublaslt;

@@ -5,6 +5,7 @@
 mod adamw;
 mod attention;
 mod buffers;
+mod combine;
 mod cross_entropy;
 mod embedding;
 mod expert_groups;

@@ -11,7 +11,9 @@
 //! LoRA adapters ([`MlpAdapters`]) add their updates to the router's
 //! logits and to each expert's products.
 
-use bastile::{BastileBackend, gather_rows, geglu_oss, group_by_expert, router_top_k};
+use bastile::{
+    BastileBackend, combine_rows, gather_rows, geglu_oss, group_by_expert, router_top_k,
+};
 use burn::module::{Module, Param};
 use burn::nn::{Initializer, Linear, LinearConfig};
 use burn::tensor::activation::softmax;
@@ -52,7 +54,7 @@ pub enum ExpertRouting {
     /// grouped by expert on the device (their counts read back to the host
     /// once per layer), the groups padded to the largest one (in steps of 64 rows),
     /// one batched `gate_up` and one `down` product over them, each token's
-    /// rows gathered back and weighted. About `top_k / experts` of the
+    /// rows weighted and summed. About `top_k / experts` of the
     /// dense path's expert flops and activations when the experts' loads
     /// are even, never more than the dense path's (one expert taking every
     /// token).
@@ -182,8 +184,9 @@ impl<B: BastileBackend> Moe<B> {
     /// layer), every group padded to `capacity` rows (the largest group's,
     /// rounded up to [`CAPACITY_STEP`] rows), one batched product per
     /// projection over `[experts, capacity, ·]`, and each token's `top_k`
-    /// rows gathered back and weighted. Both gathers know their inverse
-    /// ([`gather_rows`]): their gradients are gathered too.
+    /// rows weighted and summed where they are ([`combine_rows`]). The
+    /// gather and the combination know their inverses: their gradients are
+    /// gathered too.
     fn routed(
         &self,
         x: Tensor<B, 2>,
@@ -196,8 +199,8 @@ impl<B: BastileBackend> Moe<B> {
         let experts = self.experts.gate_up_proj.dims()[0];
         // Row `e * capacity + i` of the groups holds expert `e`'s `i`-th
         // assignment in token order; rows past an expert's count repeat
-        // token 0 and are never gathered back, so they add nothing to any
-        // gradient. Each gather's inverse gathers its gradient back: token
+        // token 0 and no choice combines them, so they add nothing to any
+        // gradient. Each pass's inverse takes its gradient back: token
         // `t`'s rows are `row_of_slot[t]`, row `r`'s assignment is
         // `slot_of_row[r]` (`t * k`, none, for the padding).
         let groups = group_by_expert(chosen, experts, CAPACITY_STEP)?;
@@ -206,15 +209,12 @@ impl<B: BastileBackend> Moe<B> {
         let grouped = gather_rows(x, groups.token_of_row, row_of_slot.clone())?
             .reshape([experts, capacity, h]);
         let out = self.expert_outputs(grouped, adapters)?;
-        let per_choice = gather_rows(
+        Ok(combine_rows(
             out.reshape([rows, h]),
-            row_of_slot.reshape([t * k]),
-            groups.slot_of_row.reshape([rows, 1]),
-        )?
-        .reshape([t, k, h]);
-        Ok((per_choice * weights.unsqueeze_dim::<3>(2))
-            .sum_dim(1)
-            .reshape([t, h]))
+            weights,
+            row_of_slot,
+            groups.slot_of_row,
+        )?)
     }
 }
 

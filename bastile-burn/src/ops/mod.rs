@@ -4,6 +4,7 @@
 
 pub mod adamw;
 pub mod attention;
+pub mod combine_rows;
 pub mod cross_entropy;
 pub mod embedding;
 pub mod expert_groups;
