@@ -24,7 +24,8 @@ pub enum Op {
     /// weight's existing gradient.
     Embedding,
     /// The routed experts' row gathers, whose backward passes gather too,
-    /// the router's choice and the grouping of its assignments.
+    /// the router's choice, the grouping of its assignments and the
+    /// combination of the experts' rows.
     Moe,
 }
 
@@ -96,9 +97,10 @@ pub struct Patches {
     pub embedding: bool,
     /// Routed experts' row gathers ([`crate::gather_rows`]) whose gradients
     /// are gathered back instead of scattered row by row, the router's
-    /// top-k choice on the device ([`crate::router_top_k`]) and the
+    /// top-k choice on the device ([`crate::router_top_k`]), the
     /// grouping of its assignments by expert on the device
-    /// ([`crate::group_by_expert`]).
+    /// ([`crate::group_by_expert`]) and the weighted combination of the
+    /// experts' rows ([`crate::combine_rows`]).
     pub moe: bool,
 }
 

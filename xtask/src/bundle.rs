@@ -17,6 +17,8 @@ const GPU_TESTS: &[&str] = &[
     "swiglu",
     "geglu",
     "rope",
+    "combine",
+    "combine_rows",
     "cross_entropy",
     "embedding",
     "expert_groups",
