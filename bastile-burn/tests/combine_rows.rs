@@ -31,10 +31,7 @@ impl Problem {
         let slots = tokens * top_k;
         let rows = slots + padding;
         let mut row_of_slot: Vec<i64> = (0..slots as i64).collect();
-        for i in (1..slots).rev() {
-            let j = ((rng.uniform() * (i + 1) as f64) as usize).min(i);
-            row_of_slot.swap(i, j);
-        }
+        rng.shuffle(&mut row_of_slot);
         let mut slot_of_row = vec![slots as i64; rows];
         for (s, &r) in row_of_slot.iter().enumerate() {
             slot_of_row[r as usize] = s as i64;

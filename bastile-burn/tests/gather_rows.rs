@@ -37,12 +37,9 @@ impl Problem {
         let rows = copied_rows + uncopied;
         let copied = copied_rows * copies;
         let out_rows = copied + padding;
-        // A shuffle of the copied rows' places (Fisher–Yates).
+        // A shuffle of the copied rows' places.
         let mut places: Vec<usize> = (0..copied).collect();
-        for i in (1..copied).rev() {
-            let j = ((rng.uniform() * (i + 1) as f64) as usize).min(i);
-            places.swap(i, j);
-        }
+        rng.shuffle(&mut places);
         let mut index = vec![0i64; out_rows];
         // The uncopied rows' entries name no row (`out_rows`).
         let mut sources = vec![out_rows as i64; rows * copies];

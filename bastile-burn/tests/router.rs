@@ -33,13 +33,10 @@ impl Problem {
                         .map(|_| ((rng.uniform() * 5.0) as i64 - 2) as f64 * 0.5)
                         .collect::<Vec<_>>()
                 } else {
-                    // A shuffle of experts distinct values (Fisher–Yates),
-                    // quarter steps: exact in every dtype.
+                    // A shuffle of experts distinct values, quarter steps:
+                    // exact in every dtype.
                     let mut row: Vec<f64> = (0..experts).map(|e| e as f64 * 0.25 - 2.0).collect();
-                    for i in (1..experts).rev() {
-                        let j = ((rng.uniform() * (i + 1) as f64) as usize).min(i);
-                        row.swap(i, j);
-                    }
+                    rng.shuffle(&mut row);
                     row
                 }
             })

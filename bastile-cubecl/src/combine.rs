@@ -48,11 +48,8 @@ impl CombineProblem {
                 "combined rows' strides must be a positive multiple".into(),
             ));
         }
-        if self.slots() > i32::MAX as usize || self.rows > i32::MAX as usize {
-            return Err(KernelError::Shape(format!(
-                "{self:?} does not fit the i32 indices"
-            )));
-        }
+        launch::check_i32("choices", self.slots())?;
+        launch::check_i32("combined rows", self.rows)?;
         Ok(launch::vector_size(
             client,
             self.dtype,
@@ -110,7 +107,6 @@ pub fn combine<R: Runtime>(
     }
     let row_vectors = p.hidden / v;
     let units = p.tokens * row_vectors;
-    let slots = p.slots().max(1);
     unsafe {
         combine_kernel::launch_unchecked::<R>(
             client,
@@ -118,8 +114,8 @@ pub fn combine<R: Runtime>(
             CubeDim::new_1d(UNITS),
             v,
             buffers.rows.arg(p.rows, p.hidden),
-            TensorArg::from_raw_parts(buffers.weights.clone(), [1].into(), [slots].into()),
-            TensorArg::from_raw_parts(buffers.row_of_slot.clone(), [1].into(), [slots].into()),
+            launch::flat_arg(&buffers.weights, p.slots()),
+            launch::flat_arg(&buffers.row_of_slot, p.slots()),
             buffers.out.arg(p.tokens, p.hidden),
             p.tokens,
             p.top_k,
@@ -174,12 +170,8 @@ pub fn combine_rows_grad<R: Runtime>(
             CubeDim::new_1d(UNITS),
             v,
             buffers.dout.arg(p.tokens, p.hidden),
-            TensorArg::from_raw_parts(
-                buffers.weights.clone(),
-                [1].into(),
-                [p.slots().max(1)].into(),
-            ),
-            TensorArg::from_raw_parts(buffers.slot_of_row.clone(), [1].into(), [p.rows].into()),
+            launch::flat_arg(&buffers.weights, p.slots()),
+            launch::flat_arg(&buffers.slot_of_row, p.rows),
             buffers.drows.arg(p.rows, p.hidden),
             p.slots(),
             p.top_k,
@@ -239,8 +231,8 @@ pub fn combine_weights_grad<R: Runtime>(
             CubeDim::new_1d(DOT_UNITS),
             buffers.dout.arg(p.tokens, p.hidden),
             buffers.rows.arg(p.rows, p.hidden),
-            TensorArg::from_raw_parts(buffers.row_of_slot.clone(), [1].into(), [p.slots()].into()),
-            TensorArg::from_raw_parts(buffers.dweights.clone(), [1].into(), [p.slots()].into()),
+            launch::flat_arg(&buffers.row_of_slot, p.slots()),
+            launch::flat_arg(&buffers.dweights, p.slots()),
             p.slots(),
             p.top_k,
             p.rows,

@@ -55,8 +55,8 @@ pub fn expert_order<R: Runtime>(
     buffers: &ExpertOrderBuffers,
 ) -> Result<(), KernelError> {
     let p = problem;
-    check_i32("assignments", p.slots)?;
-    check_i32("experts", p.experts)?;
+    launch::check_i32("assignments", p.slots)?;
+    launch::check_i32("experts", p.experts)?;
     launch::check_holds("chosen experts", &buffers.chosen, p.slots, 4)?;
     launch::check_holds("expert counts", &buffers.counts, p.experts, 4)?;
     launch::check_holds("expert order", &buffers.order, p.experts * p.per_expert, 4)?;
@@ -69,9 +69,9 @@ pub fn expert_order<R: Runtime>(
             client,
             launch::cube_count(client, p.experts)?,
             CubeDim::new_1d(UNITS),
-            flat(&buffers.chosen, p.slots),
-            flat(&buffers.counts, p.experts),
-            flat(&buffers.order, p.experts * p.per_expert),
+            launch::flat_arg(&buffers.chosen, p.slots),
+            launch::flat_arg(&buffers.counts, p.experts),
+            launch::flat_arg(&buffers.order, p.experts * p.per_expert),
             p.slots,
             p.experts,
             p.per_expert,
@@ -128,8 +128,8 @@ pub fn expert_rows<R: Runtime>(
         ));
     }
     let rows = p.experts * p.capacity;
-    check_i32("assignments", p.slots)?;
-    check_i32("group rows", rows)?;
+    launch::check_i32("assignments", p.slots)?;
+    launch::check_i32("group rows", rows)?;
     let order_len = p.experts * p.per_expert;
     launch::check_holds("expert order", &buffers.order, order_len, 4)?;
     launch::check_holds("expert counts", &buffers.counts, p.experts, 4)?;
@@ -144,11 +144,11 @@ pub fn expert_rows<R: Runtime>(
             client,
             launch::cube_count(client, rows.div_ceil(UNITS as usize))?,
             CubeDim::new_1d(UNITS),
-            flat(&buffers.order, order_len),
-            flat(&buffers.counts, p.experts),
-            flat(&buffers.token_of_row, rows),
-            flat(&buffers.slot_of_row, rows),
-            flat(&buffers.row_of_slot, p.slots),
+            launch::flat_arg(&buffers.order, order_len),
+            launch::flat_arg(&buffers.counts, p.experts),
+            launch::flat_arg(&buffers.token_of_row, rows),
+            launch::flat_arg(&buffers.slot_of_row, rows),
+            launch::flat_arg(&buffers.row_of_slot, p.slots),
             p.slots,
             rows,
             p.per_expert,
@@ -157,27 +157,6 @@ pub fn expert_rows<R: Runtime>(
         )
     };
     Ok(())
-}
-
-/// An error when `n` of `what` do not fit the i32 indices.
-fn check_i32(what: &str, n: usize) -> Result<(), KernelError> {
-    if n > i32::MAX as usize {
-        return Err(KernelError::Shape(format!(
-            "{n} {what} do not fit the i32 indices"
-        )));
-    }
-    Ok(())
-}
-
-/// `len` i32 values of `handle` as a 1-D tensor argument (a launch needs
-/// at least one element).
-///
-/// # Safety
-///
-/// `handle` holds `len` i32 values (the kernels read none of an empty
-/// one).
-unsafe fn flat<R: Runtime>(handle: &Handle, len: usize) -> TensorArg<R> {
-    unsafe { TensorArg::from_raw_parts(handle.clone(), [1].into(), [len.max(1)].into()) }
 }
 
 #[cube(launch_unchecked)]

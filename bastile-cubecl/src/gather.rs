@@ -69,7 +69,6 @@ pub fn gather_sum<R: Runtime>(
     }
     let row_vectors = p.hidden / v;
     let units = p.rows * row_vectors;
-    let index_len = (p.rows * p.copies).max(1);
     unsafe {
         gather_sum_kernel::launch_unchecked::<R>(
             client,
@@ -77,7 +76,7 @@ pub fn gather_sum<R: Runtime>(
             CubeDim::new_1d(UNITS),
             v,
             buffers.src.arg(p.src_rows, p.hidden),
-            TensorArg::from_raw_parts(buffers.index.clone(), [1].into(), [index_len].into()),
+            launch::flat_arg(&buffers.index, p.rows * p.copies),
             buffers.out.arg(p.rows, p.hidden),
             p.rows,
             p.copies,

@@ -6,6 +6,27 @@ use cubecl::server::Handle;
 
 use crate::{FloatDtype, KernelError};
 
+/// An error when `n` of `what` do not fit the kernels' i32 indices.
+pub fn check_i32(what: &str, n: usize) -> Result<(), KernelError> {
+    if n > i32::MAX as usize {
+        return Err(KernelError::Shape(format!(
+            "{n} {what} do not fit the i32 indices"
+        )));
+    }
+    Ok(())
+}
+
+/// `len` values of `handle` as a 1-D tensor argument (a launch declares
+/// at least one element).
+///
+/// # Safety
+///
+/// `handle` holds `len` values of the kernel's element type (the kernel
+/// reads none of an empty one).
+pub unsafe fn flat_arg<R: Runtime>(handle: &Handle, len: usize) -> TensorArg<R> {
+    unsafe { TensorArg::from_raw_parts(handle.clone(), [1].into(), [len.max(1)].into()) }
+}
+
 /// That `handle` holds `elements` values of `bytes` each: what a launch
 /// reads or writes there, checked before it is queued (a kernel indexes
 /// its buffers unchecked).

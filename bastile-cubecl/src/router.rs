@@ -54,12 +54,7 @@ pub fn top_k_softmax<R: Runtime>(
             p.k, p.experts
         )));
     }
-    if p.experts > i32::MAX as usize {
-        return Err(KernelError::Shape(format!(
-            "{} experts do not fit the i32 indices",
-            p.experts
-        )));
-    }
+    launch::check_i32("experts", p.experts)?;
     buffers
         .logits
         .check("router logits", p.rows, p.experts, 1, p.dtype)?;

@@ -106,6 +106,14 @@ impl Rng {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 
+    /// `items` in a uniformly random order (Fisher–Yates).
+    pub fn shuffle<T>(&mut self, items: &mut [T]) {
+        for i in (1..items.len()).rev() {
+            let j = ((self.uniform() * (i + 1) as f64) as usize).min(i);
+            items.swap(i, j);
+        }
+    }
+
     /// Standard normal (Box-Muller).
     pub fn normal(&mut self) -> f64 {
         let u1 = self.uniform().max(1e-300);

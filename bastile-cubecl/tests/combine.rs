@@ -21,15 +21,12 @@ fn check<R: Runtime>(client: &ComputeClient<R>, case: Case, dtype: FloatDtype, r
     let seed = rng.seed();
     let what = format!("{case:?} {dtype} seed {seed}");
     let slots = tokens * top_k;
-    // Every choice its own row, shuffled (Fisher–Yates), then `padding`
+    // Every choice its own row, shuffled, then `padding`
     // rows no choice holds; every seventh choice names a row past the
     // rows instead (it adds nothing, and its row is padding too).
     let rows = slots + padding;
     let mut row_of_slot: Vec<i32> = (0..slots as i32).collect();
-    for i in (1..slots).rev() {
-        let j = ((rng.uniform() * (i + 1) as f64) as usize).min(i);
-        row_of_slot.swap(i, j);
-    }
+    rng.shuffle(&mut row_of_slot);
     let mut slot_of_row = vec![slots as i32; rows];
     for (s, r) in row_of_slot.iter_mut().enumerate() {
         if s % 7 == 3 {

@@ -52,12 +52,12 @@ pub enum ExpertRouting {
     Dense,
     /// Each expert on the tokens routed to it: the token-expert assignments
     /// grouped by expert on the device (their counts read back to the host
-    /// once per layer), the groups padded to the largest one (in steps of 64 rows),
-    /// one batched `gate_up` and one `down` product over them, each token's
-    /// rows weighted and summed. About `top_k / experts` of the
-    /// dense path's expert flops and activations when the experts' loads
-    /// are even, never more than the dense path's (one expert taking every
-    /// token).
+    /// once per layer), the groups padded to the largest one (in steps of
+    /// 64 rows), one batched `gate_up` and one `down` product over them,
+    /// each token's rows weighted and summed. About `top_k / experts` of
+    /// the dense path's expert flops and activations when the experts'
+    /// loads are even, never more than the dense path's (one expert taking
+    /// every token).
     #[default]
     Routed,
 }

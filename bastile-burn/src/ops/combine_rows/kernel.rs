@@ -34,7 +34,7 @@ fn problem<R: CubeRuntime>(
 
 kernel!(CombineRows, "bastile_combine_rows", |_, floats, ints| {
     let [rows, weights] = unpack(floats);
-    let [row_of_slot, _] = unpack(ints);
+    let [row_of_slot] = unpack(ints);
     let (rows, rows_rows) = as_rows(rows);
     let weights = into_contiguous(weights);
     let row_of_slot = contiguous_i32(row_of_slot);

@@ -20,6 +20,7 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Int, Shape, Tensor, TensorMetadata};
 
 use crate::fused::{DTypeQuery, In, KernelBackend, Out, TensorSpec, fused_op};
+use crate::ops::gather_rows::gather_back;
 use crate::ops::{check_float, check_like_input, check_same_device, float};
 use crate::patches::Op;
 use crate::{BastileBackend, BastileError};
@@ -116,13 +117,15 @@ fused_op! {
     fn kernels<K: KernelBackend>(
         &self,
         _: (),
-        (rows, weights, row_of_slot, slot_of_row): In<Self, K>,
+        (rows, weights, row_of_slot, _): In<Self, K>,
     ) -> Out<Self, K> {
         let spec = TensorSpec::new(
             Shape::new([weights.shape()[0], rows.shape()[1]]),
             rows.dtype(),
         );
-        let mut out = K::launch(self, vec![rows, weights], vec![row_of_slot, slot_of_row], vec![spec]);
+        // `slot_of_row` is the backward pass's: the forward kernel reads
+        // the rows through `row_of_slot` only.
+        let mut out = K::launch(self, vec![rows, weights], vec![row_of_slot], vec![spec]);
         out.pop().expect("the combined rows")
     }
 }
@@ -149,16 +152,12 @@ fused_op! {
         let [tokens, top_k] = [weights.shape()[0], weights.shape()[1]];
         let dout = B::float_reshape(dout, Shape::new([tokens, 1, hidden]));
         let drows = self.rows_grad.then(|| {
-            // Each choice's gradient, then a zero row for the rows no
-            // choice holds, gathered to the rows.
+            // Each choice's gradient, gathered back to the row holding it
+            // (a row no choice holds names none: a zero gradient).
             let per_slot = B::float_mul(dout.clone(), per_choice::<B>(weights.clone()));
             let per_slot = B::float_reshape(per_slot, Shape::new([tokens * top_k, hidden]));
-            let zero = B::float_zeros(
-                Shape::new([1, hidden]),
-                &B::float_device(&rows),
-                rows.dtype().into(),
-            );
-            B::float_select(B::float_cat(vec![per_slot, zero], 0), 0, slot_of_row)
+            let rows_n = slot_of_row.shape()[0];
+            gather_back::<B>(per_slot, B::int_reshape(slot_of_row, Shape::new([rows_n, 1])))
         });
         let dweights = self.weights_grad.then(|| {
             let products = B::float_mul(chosen_rows::<B>(rows, row_of_slot), dout);

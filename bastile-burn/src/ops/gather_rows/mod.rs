@@ -76,7 +76,10 @@ pub fn gather_rows<B: BastileBackend>(
 /// The gradient of gathered rows: for every source row, the sum of the
 /// rows of `dout` that `sources` names (entries equal to `dout`'s row
 /// count name a zero row appended to it).
-fn gather_back<B: Backend>(dout: FloatTensor<B>, sources: IntTensor<B>) -> FloatTensor<B> {
+pub(crate) fn gather_back<B: Backend>(
+    dout: FloatTensor<B>,
+    sources: IntTensor<B>,
+) -> FloatTensor<B> {
     let hidden = dout.shape()[1];
     let [rows, copies] = [sources.shape()[0], sources.shape()[1]];
     let zero = B::float_zeros(
