@@ -35,7 +35,8 @@
 //!   [`rope`] / [`rope_one`] with [`RopeTables`], [`linear_cross_entropy`]
 //!   (the LM head and its loss without materialized logits) and
 //!   [`cross_entropy`] on given logits, with [`CrossEntropyOptions`],
-//!   [`linear`] (a projection as one node), [`lora_linear`] (a linear
+//!   [`linear`] (a projection as one node) and [`batched_linear`] (a batch
+//!   of them, e.g. a mixture's experts), [`lora_linear`] (a linear
 //!   layer with a LoRA adapter) and
 //!   [`lora_update`] (the adapter alone), [`embedding`] (the token
 //!   lookup, whose gradient is added into a tied output layer's in place,
@@ -80,7 +81,7 @@ pub use ops::embedding::{add_embedding_grad, embedding};
 pub use ops::expert_groups::{ExpertGroups, group_by_expert, group_capacity};
 pub use ops::gather_rows::gather_rows;
 pub use ops::geglu::geglu_oss;
-pub use ops::linear::linear;
+pub use ops::linear::{batched_linear, linear};
 pub use ops::linear_cross_entropy::{LinearGrads, linear_cross_entropy};
 pub use ops::lora::{lora_linear, lora_update};
 pub use ops::rms_norm::rms_norm;

@@ -85,8 +85,8 @@ pub struct Patches {
     pub cross_entropy: bool,
     /// Linear layer + cross-entropy without materialized logits.
     pub linear_cross_entropy: bool,
-    /// Matmul and `linear` on cuBLASLt (CUDA; elsewhere the inner
-    /// backend's matmul either way).
+    /// Matmul, `linear` and [`crate::batched_linear`] on cuBLASLt (CUDA;
+    /// elsewhere the inner backend's matmul either way).
     pub matmul: bool,
     /// Attention that never materializes the `[seq, seq]` scores.
     pub attention: bool,

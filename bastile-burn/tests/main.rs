@@ -5,6 +5,7 @@ mod common;
 
 mod adamw;
 mod attention;
+mod batched_linear;
 mod checkpointing;
 mod combine_rows;
 mod cross_entropy;

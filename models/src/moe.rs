@@ -12,7 +12,8 @@
 //! logits and to each expert's products.
 
 use bastile::{
-    BastileBackend, combine_rows, gather_rows, geglu_oss, group_by_expert, router_top_k,
+    BastileBackend, batched_linear, combine_rows, gather_rows, geglu_oss, group_by_expert,
+    router_top_k,
 };
 use burn::module::{Module, Param};
 use burn::nn::{Initializer, Linear, LinearConfig};
@@ -169,21 +170,22 @@ impl<B: BastileBackend> Moe<B> {
             &ex.gate_up_proj,
             &ex.gate_up_proj_bias,
             adapter(|a| &a.gate_up_proj),
-        );
+        )?;
         let act = geglu_oss(gate_up, ALPHA, self.limit)?;
-        Ok(expert_product(
+        expert_product(
             act,
             &ex.down_proj,
             &ex.down_proj_bias,
             adapter(|a| &a.down_proj),
-        ))
+        )
     }
 
     /// Each expert on its own tokens: the token-expert assignments grouped
     /// by expert on the device (only the group sizes read back, once per
     /// layer), every group padded to `capacity` rows (the largest group's,
     /// rounded up to [`CAPACITY_STEP`] rows), one batched product per
-    /// projection over `[experts, capacity, ·]`, and each token's `top_k`
+    /// projection over `[experts, capacity, ·]` ([`batched_linear`], each
+    /// expert's bias in the product's epilogue), and each token's `top_k`
     /// rows weighted and summed where they are ([`combine_rows`]). The
     /// gather and the combination know their inverses: their gradients are
     /// gathered too.
@@ -226,17 +228,17 @@ impl<B: BastileBackend> Moe<B> {
 /// - `x`: `[experts, rows, in]`
 /// - `weight`: `[experts, in, out]`, `bias`: `[experts, out]`
 /// - output: `[experts, rows, out]`
-fn expert_product<B: Backend>(
+fn expert_product<B: BastileBackend>(
     x: Tensor<B, 3>,
     weight: &Param<Tensor<B, 3>>,
     bias: &Param<Tensor<B, 2>>,
     adapter: Option<&ExpertAdapter<B>>,
-) -> Tensor<B, 3> {
-    let y = x.clone().matmul(weight.val()) + bias.val().unsqueeze_dim(1);
-    match adapter {
+) -> Result<Tensor<B, 3>, ModelError> {
+    let y = batched_linear(x.clone(), weight.val(), Some(bias.val()))?;
+    Ok(match adapter {
         Some(adapter) => y + adapter.update(x),
         None => y,
-    }
+    })
 }
 
 /// One layer's part of HF's load-balancing loss (`load_balancing_loss_func`,

@@ -12,6 +12,7 @@ use crate::{cargo, cargo_executables, run};
 /// modules, passed to the binaries as filters (`rope::`).
 const GPU_TESTS: &[&str] = &[
     "attention",
+    "batched_linear",
     "rms_norm",
     "model_step",
     "swiglu",

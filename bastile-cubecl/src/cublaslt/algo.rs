@@ -34,9 +34,21 @@ pub struct AlgoKey {
     pub ldd: usize,
     pub d_batch_stride: usize,
     pub batch: usize,
-    pub bias: bool,
+    pub bias: Option<Bias>,
     /// Pointer alignments in bytes of A, B, D (and the bias).
     pub align: [u32; 4],
+}
+
+/// The bias epilogue of a problem.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Bias {
+    /// Elements between consecutive matrices' bias vectors (0: one vector
+    /// for the whole batch).
+    pub batch_stride: usize,
+    /// Whether the epilogue writes the bias's gradient (BLAS's `A` summed
+    /// over `k`: the column sums of the row-major right-hand operand)
+    /// instead of adding the bias.
+    pub grad: bool,
 }
 
 fn cuda_type(dtype: FloatDtype) -> cudaDataType {
@@ -184,8 +196,8 @@ fn layout(
 }
 
 impl Descriptors {
-    /// Descriptors for `key`; with `key.bias` the bias epilogue is on and
-    /// [`Self::set_bias`] gives each call its vector.
+    /// Descriptors for `key`; with `key.bias` the bias epilogue (or its
+    /// gradient's) is on and [`Self::set_bias`] gives each call its vector.
     pub fn new(key: &AlgoKey) -> Result<Self, KernelError> {
         let compute = match (key.dtype, key.tf32) {
             (FloatDtype::F32, true) => cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
@@ -227,12 +239,20 @@ impl Descriptors {
                 DescAttr::CUBLASLT_MATMUL_DESC_TRANSB,
                 &op(key.b.transposed),
             )?;
-            if key.bias {
-                set_desc(
-                    desc,
-                    DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE,
-                    &cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
-                )?;
+            if let Some(bias) = key.bias {
+                let epilogue = if bias.grad {
+                    cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADA
+                } else {
+                    cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS
+                };
+                set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+                if bias.batch_stride > 0 {
+                    set_desc(
+                        desc,
+                        DescAttr::CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE,
+                        &(bias.batch_stride as i64),
+                    )?;
+                }
             }
             set_pref(
                 this.pref,
@@ -332,7 +352,7 @@ pub fn key(
     plan: &GemmPlan,
     [dtype, out_dtype]: [FloatDtype; 2],
     tf32: bool,
-    bias: bool,
+    bias: Option<Bias>,
     align: [u32; 4],
 ) -> AlgoKey {
     AlgoKey {

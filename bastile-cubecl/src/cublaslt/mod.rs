@@ -48,11 +48,21 @@ pub fn available(index: usize) -> bool {
 }
 
 /// The buffers of one matmul: `out = scale · lhs · rhs (+ bias)`, laid out
-/// as `plan` says; `bias` has one value per output column.
+/// as `plan` says; `bias` has one value per output column, for every
+/// matrix of the batch or one vector per matrix (`bias_batch_stride`).
 pub struct GemmBuffers<'a> {
     pub lhs: &'a Handle,
     pub rhs: &'a Handle,
     pub bias: Option<&'a Handle>,
+    /// Elements between the bias vectors of consecutive matrices of the
+    /// strided batch (a batch of linear layers, e.g. a mixture's experts);
+    /// 0: one vector serves every matrix.
+    pub bias_batch_stride: usize,
+    /// The epilogue writes into `bias` the column sums of each matrix of
+    /// `rhs` instead of adding it: in `dW = xᵀ · dy`, the gradient of the
+    /// bias of the layer whose output gradient `dy` is, from the same pass
+    /// over `dy`.
+    pub bias_grad: bool,
     pub out: &'a Handle,
     /// The product's factor (α): applied in the epilogue, in f32, so a
     /// scaled product costs what a plain one does.
@@ -86,10 +96,23 @@ pub fn gemm(
             "cuBLASLt path: {dtypes:?} (a different output dtype must be f32, without bias)"
         )));
     }
+    if buffers.bias_grad && buffers.bias.is_none() {
+        return Err(KernelError::Unsupported(
+            "cuBLASLt path: a bias gradient without its buffer".into(),
+        ));
+    }
     if buffers.accumulate && buffers.bias.is_some() {
         return Err(KernelError::Unsupported(
             "cuBLASLt path: accumulating with a bias".into(),
         ));
+    }
+    // One call's epilogue steps through the batch's bias vectors; calls
+    // beyond the first would need their own offsets into them.
+    if bias_batch_stride(plan, &buffers) > 0 && plan.calls.len() > 1 {
+        return Err(KernelError::Unsupported(format!(
+            "cuBLASLt path: a bias per matrix over {} calls",
+            plan.calls.len()
+        )));
     }
     if plan.m == 0 || plan.n == 0 || plan.calls.is_empty() {
         return Ok(());
@@ -115,6 +138,16 @@ pub fn gemm(
             .exclusive(run)
             .map_err(|e| KernelError::Launch(format!("CubeCL's device thread: {e:?}")))?,
         None => run(),
+    }
+}
+
+/// The bias epilogue's stride between matrices: 0 without a bias, a
+/// batch or a per-matrix bias.
+fn bias_batch_stride(plan: &GemmPlan, buffers: &GemmBuffers<'_>) -> usize {
+    if buffers.bias.is_some() && plan.batch > 1 {
+        buffers.bias_batch_stride
+    } else {
+        0
     }
 }
 
@@ -150,17 +183,25 @@ fn launch(
             .min()
             .unwrap_or(256)
     };
+    let bias_batch_stride = bias_batch_stride(plan, buffers);
     let align = [
         align_of(rhs_ptr, 1, plan.a.batch_stride, elem),
         align_of(lhs_ptr, 0, plan.b.batch_stride, elem),
         align_of(out_ptr, 2, plan.d_batch_stride, out_elem),
-        bias_ptr.map_or(256, algo::alignment),
+        bias_ptr.map_or(256, |b| {
+            let stride = (bias_batch_stride > 0).then(|| bias_batch_stride as u64 * elem);
+            algo::alignment(b).min(stride.map_or(256, algo::alignment))
+        }),
     ];
+    let epilogue_bias = bias_ptr.map(|_| algo::Bias {
+        batch_stride: bias_batch_stride,
+        grad: buffers.bias_grad,
+    });
     let key = algo::key(
         plan,
         [dtypes.operands, dtypes.out],
         tf32(),
-        bias_ptr.is_some(),
+        epilogue_bias,
         align,
     );
 

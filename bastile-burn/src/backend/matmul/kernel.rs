@@ -67,9 +67,10 @@ pub(crate) fn matmul_blas_into_rows<R: CubeRuntime>(
         && cuda::matmul_into_rows(lhs, rhs, out, first_row)
 }
 
-/// `scale · lhs · rhs` for matrices, written in `dtype`, plus `acc` when
-/// given (in `dtype`, the product's shape), for kernels that multiply
-/// inside a larger op (the LoRA layer, the fused loss's chunks): on
+/// `scale · lhs · rhs` (matrices, or batches of them) written in `dtype`,
+/// plus `acc` when given (in `dtype`, the product's shape), for kernels
+/// that multiply inside a larger op (the LoRA layer, the fused loss's
+/// chunks, the linear layers' backward passes): on
 /// cuBLASLt when the `matmul` patch is on and it takes the problem (the
 /// factor and the sum in its epilogue, the sum into `acc`'s own memory when
 /// nothing else holds it), else CubeCL's matmul and element-wise ops.
@@ -94,7 +95,8 @@ pub(crate) fn product<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolEl
             } else {
                 lhs.dtype
             };
-            let shape = Shape::new([lhs.shape()[0], rhs.shape()[1]]);
+            let shape = burn_std::calculate_matmul_output(&lhs.shape(), &rhs.shape())
+                .expect("a product's callers pass operands that multiply");
             let out = burn_cubecl::kernel::matmul::matmul(
                 lhs.clone(),
                 rhs.clone(),
@@ -120,7 +122,25 @@ pub(crate) fn product<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolEl
     }
 }
 
-/// `lhs · rhs (+ bias over the last dimension)`.
+/// `lhs · rhs` written in `dtype` and the column sums of each matrix of
+/// `rhs` from the same cuBLASLt product (its epilogue), when the `matmul`
+/// patch is on and cuBLASLt takes it; `None` otherwise (the caller then
+/// multiplies and sums its own way). In `dW = xᵀ · dy` the sums are the
+/// layer's bias gradient, read with `dy` instead of again after it.
+pub(crate) fn product_and_column_sums<R: CubeRuntime>(
+    lhs: &CubeTensor<R>,
+    rhs: &CubeTensor<R>,
+    dtype: DType,
+) -> Option<(CubeTensor<R>, CubeTensor<R>)> {
+    if !crate::patches::is_enabled(crate::patches::Op::Matmul) {
+        return None;
+    }
+    cuda::product_and_column_sums(lhs, rhs, dtype)
+}
+
+/// `lhs · rhs (+ bias over the last dimension)`: `bias` is `[n]` for
+/// every matrix, or `[batch.., n]` with the output's batch dimensions, one
+/// vector per matrix (a batch of linear layers).
 pub(crate) fn matmul<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     lhs: CubeTensor<R>,
     rhs: CubeTensor<R>,
@@ -133,15 +153,27 @@ pub(crate) fn matmul<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolEle
             let out = Inner::<R, F, I, BT>::float_matmul(lhs, rhs);
             match bias {
                 Some(bias) => {
-                    let mut shape = vec![1; out.shape().num_dims()];
-                    *shape.last_mut().expect("rank >= 2") = bias.shape().num_elements();
-                    let bias = Inner::<R, F, I, BT>::float_reshape(bias, Shape::from(shape));
+                    let shape = bias_rows_shape(&bias.shape(), out.shape().num_dims());
+                    let bias = Inner::<R, F, I, BT>::float_reshape(bias, shape);
                     Inner::<R, F, I, BT>::float_add(out, bias)
                 }
                 None => out,
             }
         }
     }
+}
+
+/// A bias `[batch.., n]` viewed as `[1.., batch.., 1, n]`, of rank `rank`:
+/// broadcast over each matrix's rows and any batch dimensions it lacks.
+fn bias_rows_shape(bias: &Shape, rank: usize) -> Shape {
+    let dims = bias.as_slice();
+    let (n, batch) = dims.split_last().expect("a bias has a dimension");
+    let ones = rank - 1 - dims.len();
+    let shape: Vec<usize> = core::iter::repeat_n(1, ones)
+        .chain(batch.iter().copied())
+        .chain([1, *n])
+        .collect();
+    Shape::from(shape)
 }
 
 #[cfg(feature = "cuda")]
@@ -186,18 +218,25 @@ mod cuda {
     }
 
     /// What a product's epilogue does besides writing it: its factor, a
-    /// bias per output column, or a sum into the output's values.
+    /// bias per output column (the same for every matrix of the batch, or
+    /// `bias_batch_stride` elements apart), or a sum into the output's
+    /// values.
     struct Epilogue<'a, R: CubeRuntime> {
         scale: f32,
         bias: Option<&'a CubeTensor<R>>,
+        bias_batch_stride: usize,
+        /// `bias` receives the column sums of each matrix of `rhs`.
+        bias_grad: bool,
         accumulate: bool,
     }
 
     impl<'a, R: CubeRuntime> Epilogue<'a, R> {
-        fn plain(bias: Option<&'a CubeTensor<R>>) -> Self {
+        fn plain(bias: Option<&'a CubeTensor<R>>, bias_batch_stride: usize) -> Self {
             Self {
                 scale: 1.0,
                 bias,
+                bias_batch_stride,
+                bias_grad: false,
                 accumulate: false,
             }
         }
@@ -259,6 +298,8 @@ mod cuda {
                 lhs: &self.lhs.handle,
                 rhs: &self.rhs.handle,
                 bias: epilogue.bias.map(|b| &b.handle),
+                bias_batch_stride: epilogue.bias_batch_stride,
+                bias_grad: epilogue.bias_grad,
                 out,
                 scale: epilogue.scale,
                 accumulate: epilogue.accumulate,
@@ -287,6 +328,16 @@ mod cuda {
         }
         let out_kernel_dtype = kernel_dtype(out_dtype)?;
         let ops = Operands::new(lhs, rhs)?;
+        // One vector for all matrices, or one per matrix of the plan's
+        // single strided batch; anything else takes the fallback. (BLAS's
+        // `m` is the output's columns: the call writes its transpose.)
+        let columns = ops.plan.m;
+        let bias_batch_stride = match bias.map(|b| b.shape().num_elements()) {
+            None => 0,
+            Some(len) if len == columns => 0,
+            Some(len) if ops.plan.calls.len() == 1 && len == ops.plan.batch * columns => columns,
+            Some(_) => return None,
+        };
         let bias = bias.map(|b| into_contiguous(b.clone()));
         let out = empty_device_contiguous_dtype(
             ops.lhs.client.clone(),
@@ -297,7 +348,7 @@ mod cuda {
         ops.run(
             &out.handle,
             out_kernel_dtype,
-            Epilogue::plain(bias.as_ref()),
+            Epilogue::plain(bias.as_ref(), bias_batch_stride),
         )
         .then_some(out)
     }
@@ -319,6 +370,8 @@ mod cuda {
         let epilogue = |accumulate| Epilogue {
             scale,
             bias: None,
+            bias_batch_stride: 0,
+            bias_grad: false,
             accumulate,
         };
         let takes_sum = |acc: &&CubeTensor<R>| {
@@ -340,6 +393,46 @@ mod cuda {
         );
         ops.run(&out.handle, out_kernel_dtype, epilogue(false))
             .then_some((out, false))
+    }
+
+    /// `lhs · rhs` in the operands' dtype and, from the same product's
+    /// epilogue, the column sums of each matrix of `rhs` (`[batch.., n]`):
+    /// `None` when this is not the CUDA runtime, `out_dtype` is not the
+    /// operands', the batch takes several calls or cuBLASLt declines.
+    pub fn product_and_column_sums<R: CubeRuntime>(
+        lhs: &CubeTensor<R>,
+        rhs: &CubeTensor<R>,
+        out_dtype: burn::tensor::DType,
+    ) -> Option<(CubeTensor<R>, CubeTensor<R>)> {
+        if out_dtype != lhs.dtype {
+            return None;
+        }
+        let ops = Operands::new(lhs, rhs)?;
+        if ops.plan.calls.len() != 1 {
+            return None;
+        }
+        let mut sums_shape = ops.plan.out_shape.clone();
+        sums_shape.remove(sums_shape.len() - 2);
+        let empty = |shape: Vec<usize>| {
+            empty_device_contiguous_dtype(
+                ops.lhs.client.clone(),
+                ops.lhs.device.clone(),
+                shape.into(),
+                out_dtype,
+            )
+        };
+        let (out, sums) = (empty(ops.plan.out_shape.clone()), empty(sums_shape));
+        let epilogue = Epilogue {
+            scale: 1.0,
+            bias: Some(&sums),
+            // BLAS's `m` is the output's columns: the call writes its
+            // transpose.
+            bias_batch_stride: if ops.plan.batch > 1 { ops.plan.m } else { 0 },
+            bias_grad: true,
+            accumulate: false,
+        };
+        ops.run(&out.handle, ops.dtype, epilogue)
+            .then_some((out, sums))
     }
 
     /// `false` when this is not the CUDA runtime, `out` is not a
@@ -369,7 +462,7 @@ mod cuda {
             .clone()
             .offset_start(first_row as u64 * row_bytes)
             .offset_end(rows_after * row_bytes);
-        ops.run(&rows, ops.dtype, Epilogue::plain(None))
+        ops.run(&rows, ops.dtype, Epilogue::plain(None, 0))
     }
 }
 
@@ -411,6 +504,14 @@ mod cuda {
         _out_dtype: burn::tensor::DType,
         _acc: Option<&CubeTensor<R>>,
     ) -> Option<(CubeTensor<R>, bool)> {
+        None
+    }
+
+    pub fn product_and_column_sums<R: CubeRuntime>(
+        _lhs: &CubeTensor<R>,
+        _rhs: &CubeTensor<R>,
+        _out_dtype: burn::tensor::DType,
+    ) -> Option<(CubeTensor<R>, CubeTensor<R>)> {
         None
     }
 }

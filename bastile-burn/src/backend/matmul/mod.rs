@@ -12,7 +12,10 @@ use crate::fused::{KernelBackend, TensorSpec, unpack};
 use crate::patches::{Op, is_enabled};
 use kernel::Matmul;
 pub use kernel::MatmulQuery;
-pub(crate) use kernel::{matmul as matmul_with_bias, matmul_blas, matmul_blas_into_rows, product};
+pub(crate) use kernel::{
+    matmul as matmul_with_bias, matmul_blas, matmul_blas_into_rows, product,
+    product_and_column_sums,
+};
 
 fn use_blas<B: KernelBackend>(t: &FloatTensor<B>) -> bool {
     let query = MatmulQuery { dtype: t.dtype() };

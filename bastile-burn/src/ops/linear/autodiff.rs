@@ -27,10 +27,10 @@ impl<B: BastileBackend, const P: usize> Backward<B, P> for Node<P> {
             let op = LinearBackward {
                 input_grad: trained[0],
                 weight_grad: trained[1],
+                bias_grad: P == 3 && trained[P - 1],
             };
-            let (dx, dw) = B::run(&op, (x, weight, dy.clone()));
-            let bias = (P == 3 && trained[P - 1]).then(|| B::linear_bias_backward(dy));
-            [dx, dw, bias]
+            let (dx, dw, dbias) = B::run(&op, (x, weight, dy));
+            [dx, dw, dbias]
         });
     }
 }

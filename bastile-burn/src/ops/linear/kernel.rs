@@ -9,10 +9,12 @@ use burn::tensor::{DType, TensorMetadata};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
-use super::{LinearBackward, backward};
-use crate::backend::matmul::{matmul_with_bias, product, with_columns};
+use super::{LinearBackward, Passes, backward, is_batched, without_rows};
+use crate::Bastile;
+use crate::backend::matmul::{matmul_with_bias, product, product_and_column_sums, with_columns};
 use crate::fused::cube::rows_view;
 use crate::fused::kernel;
+use crate::ops::reduce::{Reduction, reduce_dim};
 
 type Cube<R, F, I, BT> = CubeBackend<R, F, I, BT>;
 
@@ -22,6 +24,16 @@ fn cube_product<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>
     dtype: DType,
 ) -> CubeTensor<R> {
     product::<R, F, I, BT>(&lhs, &rhs, 1.0, dtype, None)
+}
+
+/// Each matrix's column sums with the fixed-strategy reduction kernel
+/// (Burn's would tune each shape).
+fn cube_column_sums<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    t: CubeTensor<R>,
+) -> CubeTensor<R> {
+    let shape = t.shape();
+    let summed = reduce_dim::<Bastile<Cube<R, F, I, BT>>>(t, Reduction::Sum, shape.num_dims() - 2);
+    Cube::<R, F, I, BT>::float_reshape(summed, without_rows(shape))
 }
 
 /// The forward pass. Inputs: `x, weight, bias?`; output: `y`.
@@ -35,13 +47,16 @@ kernel!(LinearForward, "bastile_linear_forward", |op, floats, _| {
     let x = floats.next().expect("the input");
     let weight = floats.next().expect("the weight");
     let bias = op.has_bias.then(|| floats.next().expect("the bias"));
+    if is_batched::<Cube<R, F, I, BT>>(&weight) {
+        return vec![matmul_with_bias::<R, F, I, BT>(x, weight, bias)];
+    }
     let shape = with_columns(x.shape(), weight.shape()[1]);
     let y = matmul_with_bias::<R, F, I, BT>(rows_view(x), weight, bias);
     vec![Cube::<R, F, I, BT>::float_reshape(y, shape)]
 });
 
-/// The backward pass. Inputs: `x, weight, dy`; outputs: `dx` and `dW`, as
-/// asked for.
+/// The backward pass. Inputs: `x, weight, dy`; outputs: `dx`, `dW` and
+/// `dbias`, as asked for.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct LinearBackwardKernel {
     pub op: LinearBackward,
@@ -52,12 +67,13 @@ kernel!(
     "bastile_linear_backward",
     |k, floats, _| {
         let [x, weight, dy] = crate::fused::unpack(floats);
-        let (dx, dw) = backward::<Cube<R, F, I, BT>>(
-            &k.op,
-            (x, weight, dy),
-            cube_product::<R, F, I, BT>,
-            rows_view::<R>,
-        );
-        dx.into_iter().chain(dw).collect()
+        let passes = Passes {
+            product: cube_product::<R, F, I, BT>,
+            product_and_sums: product_and_column_sums::<R>,
+            column_sums: cube_column_sums::<R, F, I, BT>,
+            rows: rows_view::<R>,
+        };
+        let (dx, dw, dbias) = backward::<Cube<R, F, I, BT>>(&k.op, (x, weight, dy), passes);
+        dx.into_iter().chain(dw).chain(dbias).collect()
     }
 );
