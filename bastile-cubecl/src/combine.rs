@@ -15,6 +15,7 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
+use crate::reduce::{CubeRowSum, cube_row_sum, row_sum};
 use crate::rows::Rows;
 use crate::{FloatDtype, KernelError, launch};
 
@@ -224,6 +225,7 @@ pub fn combine_weights_grad<R: Runtime>(
     if p.slots() == 0 {
         return Ok(());
     }
+    let cfg = cube_row_sum(client, DOT_UNITS)?;
     unsafe {
         combine_weights_grad_kernel::launch_unchecked::<R>(
             client,
@@ -239,6 +241,7 @@ pub fn combine_weights_grad<R: Runtime>(
             p.hidden,
             buffers.dout.stride,
             buffers.rows.stride,
+            cfg,
             p.dtype.storage(),
         )
     };
@@ -326,6 +329,7 @@ fn combine_weights_grad_kernel<F: Float>(
     hidden: usize,
     dout_stride: usize,
     rows_stride: usize,
+    #[comptime] cfg: CubeRowSum,
     #[define(F)] _dtype: StorageType,
 ) {
     let slot = CUBE_POS;
@@ -344,19 +348,10 @@ fn combine_weights_grad_kernel<F: Float>(
                 c += DOT_UNITS as usize;
             }
         }
-        let mut partial = SharedMemory::<f32>::new(DOT_UNITS as usize);
-        partial[unit] = sum;
-        sync_cube();
-        let mut half = comptime![(DOT_UNITS / 2) as usize].runtime();
-        while half > 0 {
-            if unit < half {
-                partial[unit] += partial[unit + half];
-            }
-            sync_cube();
-            half /= 2;
-        }
+        let mut scratch = SharedMemory::<f32>::new(cfg.slots as usize);
+        let total = row_sum(sum, &mut scratch, DOT_UNITS, cfg.slots, cfg.reduce);
         if unit == 0 {
-            dweights[slot] = F::cast_from(partial[0]);
+            dweights[slot] = F::cast_from(total);
         }
     }
 }

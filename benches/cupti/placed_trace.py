@@ -3,16 +3,23 @@
 `(start, end, device, stream, name)` tuples, sorted by start (ns), or any
 trace as `(start, end, name)` tuples, and
 finds a training step's window and the GPU's idle gaps in it (for any
-trace's `(start, end, name)` kernels)."""
+trace's `(start, end, name)` kernels). A trace ending in `.xz` is read
+compressed, as the results keep them."""
+import lzma
 import re
 import sys
 
 PLACE = re.compile(r"\[d(\d+) s(\d+)\] (.*)")
 
 
+def lines(path):
+    """The trace's lines, decompressed when it ends in `.xz`."""
+    return lzma.open(path, "rt") if path.endswith(".xz") else open(path)
+
+
 def read(path):
     kernels = []
-    for line in open(path):
+    for line in lines(path):
         parts = line.rstrip("\n").split(" ", 3)
         if parts[0] != "K" or len(parts) < 4:
             continue
@@ -30,7 +37,7 @@ def read_unplaced(path):
     (ns), whether or not it was written with KERNEL_TRACE_PLACE (the
     place, when there, stays in the name)."""
     kernels = []
-    for line in open(path):
+    for line in lines(path):
         parts = line.rstrip("\n").split(" ", 3)
         if parts[0] == "K":
             kernels.append((int(parts[1]), int(parts[2]), parts[3] if len(parts) > 3 else ""))

@@ -285,6 +285,17 @@ mod cuda {
             })
         }
 
+        /// A new contiguous tensor of `shape` and `dtype` on the operands'
+        /// device.
+        fn empty(&self, shape: Vec<usize>, dtype: burn::tensor::DType) -> CubeTensor<R> {
+            empty_device_contiguous_dtype(
+                self.lhs.client.clone(),
+                self.lhs.device.clone(),
+                shape.into(),
+                dtype,
+            )
+        }
+
         /// Writes `scale ·` the product (`+ bias`) into `out`, or adds it
         /// to `out` with `accumulate`; `false` when cuBLASLt declines it
         /// (nothing was written). A cuBLASLt error is a
@@ -339,12 +350,7 @@ mod cuda {
             Some(_) => return None,
         };
         let bias = bias.map(|b| into_contiguous(b.clone()));
-        let out = empty_device_contiguous_dtype(
-            ops.lhs.client.clone(),
-            ops.lhs.device.clone(),
-            ops.plan.out_shape.clone().into(),
-            out_dtype,
-        );
+        let out = ops.empty(ops.plan.out_shape.clone(), out_dtype);
         ops.run(
             &out.handle,
             out_kernel_dtype,
@@ -385,12 +391,7 @@ mod cuda {
                 .run(&acc.handle, out_kernel_dtype, epilogue(true))
                 .then(|| (acc.clone(), true));
         }
-        let out = empty_device_contiguous_dtype(
-            ops.lhs.client.clone(),
-            ops.lhs.device.clone(),
-            ops.plan.out_shape.clone().into(),
-            out_dtype,
-        );
+        let out = ops.empty(ops.plan.out_shape.clone(), out_dtype);
         ops.run(&out.handle, out_kernel_dtype, epilogue(false))
             .then_some((out, false))
     }
@@ -413,15 +414,8 @@ mod cuda {
         }
         let mut sums_shape = ops.plan.out_shape.clone();
         sums_shape.remove(sums_shape.len() - 2);
-        let empty = |shape: Vec<usize>| {
-            empty_device_contiguous_dtype(
-                ops.lhs.client.clone(),
-                ops.lhs.device.clone(),
-                shape.into(),
-                out_dtype,
-            )
-        };
-        let (out, sums) = (empty(ops.plan.out_shape.clone()), empty(sums_shape));
+        let out = ops.empty(ops.plan.out_shape.clone(), out_dtype);
+        let sums = ops.empty(sums_shape, out_dtype);
         let epilogue = Epilogue {
             scale: 1.0,
             bias: Some(&sums),

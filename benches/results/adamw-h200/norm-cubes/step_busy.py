@@ -1,32 +1,42 @@
 """GPU time of the fused AdamW step in a kernel trace (`kernel_trace.c`'s
-"K start end name" lines, xz-compressed): for the last 20 steps (a step
-runs from its first gradient-norm kernel to its last update kernel), the
-medians of the norm's, the clip factor's and the update's kernel time,
-of all three, and of the step's span on the GPU (ms).
+"K start end name" lines): for the last 20 steps (a step runs from its
+first gradient-norm kernel to its last update kernel), the medians of the
+norm's, the clip factor's and the update's kernel time, of all three, and
+of the step's span on the GPU (ms).
 
-Usage: python3 step_busy.py k-adamw.txt.xz
+Usage: python3 step_busy.py k-adamw.txt.xz (reads benches/cupti/placed_trace.py)
 """
 import os
-import sys, lzma
-rows=[]
-for l in lzma.open(sys.argv[1],'rt'):
-    p=l.split(' ',3)
-    if p[0]=='K': rows.append((int(p[1]),int(p[2]),p[3].strip()))
-rows.sort()
-rel=[r for r in rows if 'adamw_kernel' in r[2] or 'sum_squares' in r[2] or 'clip_scale' in r[2]]
-steps=[]; cur=[]; prev=None
-for r in rel:
-    if 'sum_squares' in r[2] and prev and 'adamw' in prev[2]:
-        steps.append(cur); cur=[]
-    cur.append(r); prev=r
-steps.append(cur)
-steps=steps[-20:]
-import statistics as st
-def tot(s,k): return sum(r[1]-r[0] for r in s if k in r[2])/1e6
-print(os.path.basename(os.path.dirname(sys.argv[1])), "steps",len(steps),
- "norm %.3f"%st.median(tot(s,'sum_sq') for s in steps),
- "clip %.3f"%st.median(tot(s,'clip_scale') for s in steps),
- "update %.3f"%st.median(tot(s,'adamw') for s in steps),
- "busy %.3f"%st.median(sum(r[1]-r[0] for r in s)/1e6 for s in steps),
- "span %.2f"%st.median((s[-1][1]-s[0][0])/1e6 for s in steps),
- "min span %.2f"%min((s[-1][1]-s[0][0])/1e6 for s in steps))
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "../../../cupti"))
+from placed_trace import read_unplaced  # noqa: E402
+
+kernels = [k for k in read_unplaced(sys.argv[1])
+           if any(n in k[2] for n in ("adamw_kernel", "sum_squares", "clip_scale"))]
+steps, step = [], []
+for k in kernels:
+    # A norm kernel after an update kernel starts the next step.
+    if "sum_squares" in k[2] and step and "adamw" in step[-1][2]:
+        steps.append(step)
+        step = []
+    step.append(k)
+steps = (steps + [step])[-20:]
+
+
+def median_ms(per_step):
+    return statistics.median(per_step(s) for s in steps) / 1e6
+
+
+def kernel_time(part):
+    return lambda s: sum(e - b for b, e, name in s if part in name)
+
+
+print(os.path.basename(os.path.dirname(sys.argv[1])), "steps", len(steps),
+      "norm %.3f" % median_ms(kernel_time("sum_squares")),
+      "clip %.3f" % median_ms(kernel_time("clip_scale")),
+      "update %.3f" % median_ms(kernel_time("adamw")),
+      "busy %.3f" % median_ms(kernel_time("")),
+      "span %.2f" % median_ms(lambda s: s[-1][1] - s[0][0]),
+      "min span %.2f" % (min(s[-1][1] - s[0][0] for s in steps) / 1e6))
