@@ -271,8 +271,47 @@ backend_test! {
             }
             bastile::matmul_host_sync(false);
             tf32_is_opt_in::<B>(&mut rng, device);
+            queued_products_keep_their_operands::<B>(&mut rng, seed, name, device);
         }
     }
+}
+
+/// On CUDA a product is queued on CubeCL's device thread and the caller
+/// goes on at once. Each product here reads operands the caller drops
+/// right after queuing it, while fresh tensors of the same sizes (which
+/// may take freed memory) are filled before any result is read; more
+/// products than that thread's queue holds are queued in a row. The left
+/// operands are row slices at odd byte offsets: the alignment the path
+/// settles before the device thread sees the buffers' addresses.
+fn queued_products_keep_their_operands<B: KernelBackend + BastileBackend>(
+    rng: &mut Rng,
+    seed: u64,
+    name: &str,
+    device: &B::Device,
+) {
+    type X<B> = Bastile<B>;
+    let (m, k, n, count) = (33, 45, 70, 80);
+    let dtype = DType::BF16;
+    let mut results = Vec::new();
+    let mut fills = Vec::new();
+    for i in 0..count {
+        let a = randn(rng, (m + 1) * k, 0.0, 1.0, dtype);
+        let b = randn(rng, k * n, 0.0, 1.0, dtype);
+        let lhs = tensor::<X<B>, 2>(&a, [m + 1, k], dtype, device).narrow(0, 1, m);
+        let rhs = tensor::<X<B>, 2>(&b, [k, n], dtype, device);
+        results.push((
+            lhs.matmul(rhs),
+            mm(&a[k..], &b, (1, 1), m, k, n, false, false),
+        ));
+        let fill = vec![i as f64; (m + 1) * k];
+        fills.push(tensor::<X<B>, 2>(&fill, [m + 1, k], dtype, device));
+    }
+    let tol = tolerance(kdtype(dtype));
+    for (i, (out, reference)) in results.into_iter().enumerate() {
+        let what = format!("queued product {i} of {count} {name}");
+        assert_close(&what, &values(out), &reference, tol, seed);
+    }
+    drop(fills);
 }
 
 fn identity(n: usize) -> Vec<f64> {

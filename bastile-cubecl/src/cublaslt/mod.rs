@@ -1,12 +1,14 @@
 //! Matmuls through cuBLASLt on CubeCL's CUDA buffers.
 //!
 //! The operands are CubeCL handles; their device addresses come from
-//! `ComputeClient::get_resource`, which also keeps the memory alive while
-//! the call runs. The library, a workspace and each problem's descriptors
-//! and algorithm are kept per device ([`device`]); for short products the
-//! algorithm is the fastest of the heuristic's candidates on the problem's
-//! first call ([`tune`]). [`order`] enqueues the calls on CubeCL's own
-//! stream when it can observe it, else orders them by host synchronization.
+//! CubeCL's server (`get_resource`), which also keeps the memory alive
+//! while the call is enqueued. A call on CubeCL's own stream runs as a
+//! task of CubeCL's device thread, queued without waiting. The library, a
+//! workspace and each problem's descriptors and algorithm are kept per
+//! device (`device`); for short products the algorithm is the fastest of
+//! the heuristic's candidates on the problem's first call (`tune`).
+//! `order` enqueues the calls on CubeCL's own stream when it can observe
+//! it, else orders them by host synchronization.
 
 mod algo;
 mod device;
@@ -14,15 +16,22 @@ mod order;
 mod stream_probe;
 mod tune;
 
+use std::collections::hash_map::Entry;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use cubecl::cuda::CudaRuntime;
+use cubecl::Runtime;
+use cubecl::cuda::{CudaDevice, CudaRuntime};
+use cubecl::device::Device;
+use cubecl::device_handle::DeviceHandle;
 use cubecl::prelude::ComputeClient;
-use cubecl::server::Handle;
+use cubecl::server::{ComputeServer, Handle};
+use cubecl::stream_id::StreamId;
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys::cublasLtMatmulAlgo_t;
 use cudarc::driver::sys::CUstream;
 
+use self::algo::{AlgoKey, Prepared};
+use self::device::DeviceState;
 use crate::gemm_layout::GemmPlan;
 use crate::{FloatDtype, KernelError};
 
@@ -84,12 +93,20 @@ pub struct GemmDtypes {
 /// Runs `plan` on CUDA device `index` with cuBLASLt. `Err(Unsupported)`
 /// when cuBLASLt has no algorithm for it (nothing was written: the caller
 /// can take another path).
+///
+/// On CubeCL's own stream the call is handed to CubeCL's device thread and
+/// this returns at once: that thread runs it in its queue's order, after
+/// every operation submitted before it, so the caller (Burn's fusion
+/// thread, queuing a step) never waits for the device thread to drain its
+/// queue. An error met there goes to `on_error`, on that thread. Ordered
+/// by host synchronization, the call runs here and an error is returned.
 pub fn gemm(
     client: &ComputeClient<CudaRuntime>,
     index: usize,
     dtypes: GemmDtypes,
     plan: &GemmPlan,
     buffers: GemmBuffers<'_>,
+    on_error: impl FnOnce(KernelError) + Send + 'static,
 ) -> Result<(), KernelError> {
     if dtypes.out != dtypes.operands && (dtypes.out != FloatDtype::F32 || buffers.bias.is_some()) {
         return Err(KernelError::Unsupported(format!(
@@ -120,25 +137,55 @@ pub fn gemm(
     if plan.k == 0 {
         return Err(KernelError::Unsupported("matmul with K = 0".into()));
     }
-    let same = order::same_stream(client, index);
+    let call = Call::new(dtypes, plan, &buffers);
+    let Some(stream) = order::same_stream(client, index) else {
+        let resource = |h: &Handle| {
+            let r = client.get_resource(h.clone()).map_err(address_error)?;
+            Ok((r.resource().ptr, r))
+        };
+        return launch(client, index, None, &call, resource);
+    };
+    // Whether cuBLASLt takes the problem is settled here, where the caller
+    // can still take another path. The buffers' addresses are known only
+    // on the device thread, but their alignment (up to the 256 bytes the
+    // key distinguishes) is their offsets' within CubeCL's allocations,
+    // which start on 512-byte boundaries.
+    let expected = call.key([
+        call.lhs.offset_start.unwrap_or(0),
+        call.rhs.offset_start.unwrap_or(0),
+        call.out.offset_start.unwrap_or(0),
+        call.bias
+            .as_ref()
+            .map_or(0, |b| b.offset_start.unwrap_or(0)),
+    ]);
+    device::with_device(index, |dev| {
+        dev.make_current()?;
+        prepared(dev, expected).map(|_| ())
+    })?;
     // The stream crosses to the device thread as an address (raw pointers
     // are not `Send`).
-    let stream_addr = same.map(|s| s as usize);
-    let run = || {
-        let same = stream_addr.map(|s| s as CUstream);
-        launch(client, index, same, dtypes, plan, &buffers)
-    };
-    match same {
-        // On CubeCL's device thread the operands' resource look-ups run in
-        // place; from any other thread each one is a round trip to it
-        // (~10 µs, several per call: more than a small product takes).
-        // Host-synchronized ordering waits on CubeCL's stream, which must
-        // not happen from inside that thread.
-        Some(_) => client
-            .exclusive(run)
-            .map_err(|e| KernelError::Launch(format!("CubeCL's device thread: {e:?}")))?,
-        None => run(),
-    }
+    let (stream, client) = (stream as usize, client.clone());
+    DeviceHandle::<<CudaRuntime as Runtime>::Server>::new(CudaDevice { index }.to_id()).submit(
+        move |server| {
+            // The caller's CubeCL stream: the device thread runs each task
+            // under the stream id it was submitted from.
+            let stream_id = StreamId::current();
+            let resource = |h: &Handle| {
+                let r = server
+                    .get_resource(h.clone().binding(), stream_id)
+                    .map_err(address_error)?;
+                Ok((r.resource().ptr, r))
+            };
+            if let Err(e) = launch(&client, index, Some(stream as CUstream), &call, resource) {
+                on_error(e);
+            }
+        },
+    );
+    Ok(())
+}
+
+fn address_error(e: impl std::fmt::Debug) -> KernelError {
+    KernelError::Launch(format!("buffer address: {e:?}"))
 }
 
 /// The bias epilogue's stride between matrices: 0 without a bias, a
@@ -151,82 +198,128 @@ fn bias_batch_stride(plan: &GemmPlan, buffers: &GemmBuffers<'_>) -> usize {
     }
 }
 
+/// The prepared algorithms of `key`, prepared on first use;
+/// `Err(Unsupported)` when the heuristic has none.
+fn prepared(dev: &mut DeviceState, key: AlgoKey) -> Result<&mut Prepared, KernelError> {
+    let handle = dev.handle;
+    let slot = match dev.prepared.entry(key) {
+        Entry::Occupied(e) => e.into_mut(),
+        Entry::Vacant(e) => e.insert(Prepared::new(&key, handle)?),
+    };
+    slot.as_mut()
+        .ok_or_else(|| KernelError::Unsupported(format!("cuBLASLt has no algorithm for {key:?}")))
+}
+
+/// One matmul with its buffers, owned so it can cross to CubeCL's device
+/// thread.
+struct Call {
+    dtypes: GemmDtypes,
+    plan: GemmPlan,
+    lhs: Handle,
+    rhs: Handle,
+    bias: Option<Handle>,
+    /// [`bias_batch_stride`]'s answer.
+    bias_batch_stride: usize,
+    bias_grad: bool,
+    out: Handle,
+    scale: f32,
+    accumulate: bool,
+}
+
+impl Call {
+    fn new(dtypes: GemmDtypes, plan: &GemmPlan, buffers: &GemmBuffers<'_>) -> Self {
+        Self {
+            dtypes,
+            plan: plan.clone(),
+            lhs: buffers.lhs.clone(),
+            rhs: buffers.rhs.clone(),
+            bias: buffers.bias.cloned(),
+            bias_batch_stride: bias_batch_stride(plan, buffers),
+            bias_grad: buffers.bias_grad,
+            out: buffers.out.clone(),
+            scale: buffers.scale,
+            accumulate: buffers.accumulate,
+        }
+    }
+
+    /// The algorithm key of the call with its buffers at `addresses`
+    /// (`[lhs, rhs, out, bias]`; the bias's is ignored without one): the
+    /// alignment every matrix of every call shares enters the key.
+    fn key(&self, [lhs, rhs, out, bias]: [u64; 4]) -> AlgoKey {
+        let plan = &self.plan;
+        let (elem, out_elem) = (
+            self.dtypes.operands.size() as u64,
+            self.dtypes.out.size() as u64,
+        );
+        let align_of = |base: u64, slot: usize, batch_stride: usize, elem: u64| {
+            plan.calls
+                .iter()
+                .map(|c| algo::alignment(base + c[slot] as u64 * elem))
+                .chain((plan.batch > 1).then(|| algo::alignment(batch_stride as u64 * elem)))
+                .min()
+                .unwrap_or(256)
+        };
+        let align = [
+            align_of(rhs, 1, plan.a.batch_stride, elem),
+            align_of(lhs, 0, plan.b.batch_stride, elem),
+            align_of(out, 2, plan.d_batch_stride, out_elem),
+            self.bias.as_ref().map_or(256, |_| {
+                let stride =
+                    (self.bias_batch_stride > 0).then(|| self.bias_batch_stride as u64 * elem);
+                algo::alignment(bias).min(stride.map_or(256, algo::alignment))
+            }),
+        ];
+        let epilogue_bias = self.bias.as_ref().map(|_| algo::Bias {
+            batch_stride: self.bias_batch_stride,
+            grad: self.bias_grad,
+        });
+        algo::key(
+            plan,
+            [self.dtypes.operands, self.dtypes.out],
+            tf32(),
+            epilogue_bias,
+            align,
+        )
+    }
+}
+
 /// [`gemm`]'s work once the ordering mode is known (`same`: CubeCL's
-/// stream, or `None` for host synchronization).
-fn launch(
+/// stream, or `None` for host synchronization). `resource` gives a
+/// buffer's device address and what keeps the buffer alive meanwhile.
+fn launch<Held>(
     client: &ComputeClient<CudaRuntime>,
     index: usize,
     same: Option<CUstream>,
-    dtypes: GemmDtypes,
-    plan: &GemmPlan,
-    buffers: &GemmBuffers<'_>,
+    call: &Call,
+    mut resource: impl FnMut(&Handle) -> Result<(u64, Held), KernelError>,
 ) -> Result<(), KernelError> {
-    let resource = |h: &Handle| {
-        client
-            .get_resource(h.clone())
-            .map_err(|e| KernelError::Launch(format!("buffer address: {e:?}")))
-    };
-    let lhs = resource(buffers.lhs)?;
-    let rhs = resource(buffers.rhs)?;
-    let out = resource(buffers.out)?;
-    let bias = buffers.bias.map(resource).transpose()?;
-    let (lhs_ptr, rhs_ptr, out_ptr) = (lhs.resource().ptr, rhs.resource().ptr, out.resource().ptr);
-    let bias_ptr = bias.as_ref().map(|b| b.resource().ptr);
-
-    // The alignment every matrix of every call shares.
-    let (elem, out_elem) = (dtypes.operands.size() as u64, dtypes.out.size() as u64);
-    let align_of = |base: u64, slot: usize, batch_stride: usize, elem: u64| {
-        plan.calls
-            .iter()
-            .map(|c| algo::alignment(base + c[slot] as u64 * elem))
-            .chain((plan.batch > 1).then(|| algo::alignment(batch_stride as u64 * elem)))
-            .min()
-            .unwrap_or(256)
-    };
-    let bias_batch_stride = bias_batch_stride(plan, buffers);
-    let align = [
-        align_of(rhs_ptr, 1, plan.a.batch_stride, elem),
-        align_of(lhs_ptr, 0, plan.b.batch_stride, elem),
-        align_of(out_ptr, 2, plan.d_batch_stride, out_elem),
-        bias_ptr.map_or(256, |b| {
-            let stride = (bias_batch_stride > 0).then(|| bias_batch_stride as u64 * elem);
-            algo::alignment(b).min(stride.map_or(256, algo::alignment))
-        }),
-    ];
-    let epilogue_bias = bias_ptr.map(|_| algo::Bias {
-        batch_stride: bias_batch_stride,
-        grad: buffers.bias_grad,
-    });
-    let key = algo::key(
-        plan,
-        [dtypes.operands, dtypes.out],
-        tf32(),
-        epilogue_bias,
-        align,
+    let (lhs_ptr, lhs) = resource(&call.lhs)?;
+    let (rhs_ptr, rhs) = resource(&call.rhs)?;
+    let (out_ptr, out) = resource(&call.out)?;
+    let bias = call.bias.as_ref().map(&mut resource).transpose()?;
+    let bias_ptr = bias.as_ref().map(|(ptr, _)| *ptr);
+    let key = call.key([lhs_ptr, rhs_ptr, out_ptr, bias_ptr.unwrap_or(0)]);
+    let plan = &call.plan;
+    let (elem, out_elem) = (
+        call.dtypes.operands.size() as u64,
+        call.dtypes.out.size() as u64,
     );
 
     device::with_device(index, |dev| {
         dev.make_current()?;
         order::ordered(client, same, dev, |dev, stream, workspace| {
             let handle = dev.handle;
-            let prepared = match dev.prepared.entry(key) {
-                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::hash_map::Entry::Vacant(e) => {
-                    e.insert(algo::Prepared::new(&key, handle)?)
-                }
-            };
-            let prepared = prepared.as_mut().ok_or_else(|| {
-                KernelError::Unsupported(format!("cuBLASLt has no algorithm for {key:?}"))
-            })?;
+            let prepared = prepared(dev, key)?;
             if let Some(ptr) = bias_ptr {
                 prepared.desc.set_bias(ptr)?;
             }
             let desc = &prepared.desc;
-            let (alpha, beta) = (buffers.scale, if buffers.accumulate { 1.0f32 } else { 0.0 });
-            let call = |algo: &cublasLtMatmulAlgo_t, call: &[usize; 3]| {
-                let a = rhs_ptr + call[1] as u64 * elem;
-                let b = lhs_ptr + call[0] as u64 * elem;
-                let d = out_ptr + call[2] as u64 * out_elem;
+            let accumulate = call.accumulate;
+            let (alpha, beta) = (call.scale, if accumulate { 1.0f32 } else { 0.0 });
+            let enqueue = |algo: &cublasLtMatmulAlgo_t, offsets: &[usize; 3]| {
+                let a = rhs_ptr + offsets[1] as u64 * elem;
+                let b = lhs_ptr + offsets[0] as u64 * elem;
+                let d = out_ptr + offsets[2] as u64 * out_elem;
                 // SAFETY: the addresses are live CubeCL buffers (held by
                 // the resources above) whose extents the plan respects;
                 // `order::ordered` orders the call against CubeCL's stream.
@@ -257,19 +350,19 @@ fn launch(
                 // Timing would add the product into `out` once per run: an
                 // accumulating call takes the heuristic's choice, and the
                 // problem's next overwriting call still times them.
-                None if buffers.accumulate => prepared.candidates[0],
+                None if accumulate => prepared.candidates[0],
                 None => {
                     let first = &plan.calls[0];
                     let flops = 2.0 * (plan.m * plan.n * plan.k * plan.batch) as f64;
                     tune::fastest(stream, flops, &prepared.candidates, |algo| {
-                        call(algo, first)
+                        enqueue(algo, first)
                     })?
                 }
             };
-            for c in &plan.calls {
-                call(&algo, c)?;
+            for offsets in &plan.calls {
+                enqueue(&algo, offsets)?;
             }
-            if !buffers.accumulate {
+            if !accumulate {
                 prepared.chosen = Some(algo);
             }
             Ok(())

@@ -1,10 +1,11 @@
 //! Ordering cuBLASLt's work against CubeCL's stream.
 //!
 //! Preferred: the matmul is enqueued on the very CUDA stream CubeCL uses for
-//! the caller's stream id ([`stream_probe`]), so CUDA orders it after every
-//! kernel CubeCL issued before (the operands' `get_resource` round trip
-//! guarantees those are issued) and before every later one, including one
-//! that reuses a freed operand's memory; the host never waits.
+//! the caller's stream id ([`stream_probe`]), from CubeCL's device thread as
+//! one of its tasks, so CUDA orders it after every kernel CubeCL issued
+//! before (the tasks queued before it) and before every later one,
+//! including one that reuses a freed operand's memory (the task holds the
+//! operands until the call is enqueued); the host never waits.
 //!
 //! Fallback, when that stream cannot be observed (CUPTI missing or held by
 //! a profiler) or `BASTILE_MATMUL_ORDER=host-sync` is set: the call runs on a

@@ -315,7 +315,15 @@ mod cuda {
                 scale: epilogue.scale,
                 accumulate: epilogue.accumulate,
             };
-            match cublaslt::gemm(self.client, self.index, dtypes, &self.plan, buffers) {
+            let on_error = |e| crate::launch_failure::failed("cuBLASLt matmul", e);
+            match cublaslt::gemm(
+                self.client,
+                self.index,
+                dtypes,
+                &self.plan,
+                buffers,
+                on_error,
+            ) {
                 Ok(()) => true,
                 Err(KernelError::Unsupported(_)) => false,
                 Err(e) => {
