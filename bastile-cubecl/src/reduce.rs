@@ -158,24 +158,58 @@ fn row_combine(
     total
 }
 
+/// Units per cube of [`column_sum`]: enough row lanes to keep many loads
+/// in flight when the columns are few.
+const COLUMN_SUM_UNITS: usize = 256;
+
 /// Sums the rows of an f32 `[rows, cols]` matrix of partials into `cols`
 /// values cast to `F`: the second stage of a parameter-gradient reduction,
 /// deterministic and in f32 whatever the output dtype.
+///
+/// A cube holds `CUBE_DIM_X` neighbouring column vectors (a row's loads
+/// are one segment) and `CUBE_DIM_Y` row lanes, a power of two; lane `l`
+/// sums rows `l`, `l + CUBE_DIM_Y`, ..., then a shared-memory tree adds the
+/// lanes in a fixed order. The lanes are what keeps loads in flight: the
+/// partials have a few hundred rows (a few per multiprocessor) and the
+/// columns can be few, e.g. 256 vectors for a 1024-wide gradient, 32 for a
+/// 128-wide one.
 #[cube(launch_unchecked)]
 fn column_sum_kernel<F: Float, N: Size>(
     partials: &Tensor<Vector<f32, N>>,
     output: &mut Tensor<Vector<F, N>>,
     rows: usize,
     col_vecs: usize,
+    #[comptime] units: usize,
     #[define(F)] _dtype: StorageType,
 ) {
-    let col = ABSOLUTE_POS;
+    let width = CUBE_DIM_X as usize;
+    let lanes = CUBE_DIM_Y as usize;
+    let x = UNIT_POS_X as usize;
+    let lane = UNIT_POS_Y as usize;
+    let col = CUBE_POS * width + x;
+    let mut acc = Vector::<f32, N>::new(0.0);
     if col < col_vecs {
-        let mut acc = Vector::<f32, N>::new(0.0);
-        for r in 0..rows {
+        let mut r = lane;
+        while r < rows {
             acc += partials[r * col_vecs + col];
+            r += lanes;
         }
-        output[col] = Vector::cast_from(acc);
+    }
+    let mut lane_sums = SharedMemory::<Vector<f32, N>>::new(units);
+    let slot = lane * width + x;
+    lane_sums[slot] = acc;
+    sync_cube();
+    let mut stride = lanes / 2;
+    while stride > 0 {
+        if lane < stride {
+            let other = lane_sums[slot + stride * width];
+            lane_sums[slot] += other;
+        }
+        sync_cube();
+        stride /= 2;
+    }
+    if lane == 0 && col < col_vecs {
+        output[col] = Vector::cast_from(lane_sums[x]);
     }
 }
 
@@ -192,19 +226,28 @@ pub fn column_sum<R: Runtime>(
     let vec = launch::vector_size(client, FloatDtype::F32, cols)
         .min(launch::vector_size(client, dtype, cols));
     let col_vecs = cols / vec;
-    let cube_dim = CubeDim::new_1d(64.min(col_vecs.next_power_of_two()).max(1) as u32);
-    let cubes = col_vecs.div_ceil(cube_dim.x as usize);
+    let max_units = COLUMN_SUM_UNITS
+        .min(client.properties().hardware.max_units_per_cube as usize)
+        .max(1);
+    // Powers of two: the lanes' tree halves them.
+    let max_units = 1 << max_units.ilog2();
+    let width = col_vecs.next_power_of_two().clamp(1, 32).min(max_units);
+    let lanes = (max_units / width).min(rows.next_power_of_two()).max(1);
+    let units = width * lanes;
+    launch::check_cube_fits(client, units as u32, units * vec * 4)?;
+    let cubes = col_vecs.div_ceil(width);
     let count = launch::cube_count(client, cubes)?;
     unsafe {
         column_sum_kernel::launch_unchecked::<R>(
             client,
             count,
-            cube_dim,
+            CubeDim::new_2d(width as u32, lanes as u32),
             vec,
             TensorArg::from_raw_parts(partials.clone(), [cols, 1].into(), [rows, cols].into()),
             TensorArg::from_raw_parts(output.clone(), [1].into(), [cols].into()),
             rows,
             col_vecs,
+            units,
             dtype.storage(),
         )
     }

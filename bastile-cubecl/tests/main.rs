@@ -11,6 +11,7 @@ mod embedding;
 mod expert_groups;
 mod gather;
 mod geglu;
+mod reduce;
 mod rms_norm;
 mod rope;
 mod swiglu;
