@@ -229,9 +229,11 @@ pub fn column_sum<R: Runtime>(
     let max_units = COLUMN_SUM_UNITS
         .min(client.properties().hardware.max_units_per_cube as usize)
         .max(1);
-    // Powers of two: the lanes' tree halves them.
+    // Powers of two: the lanes' tree halves them. Eight neighbouring f32
+    // vectors are one 128-byte line of a row; the rest of the cube goes
+    // to lanes, so a 1024-wide gradient gets 32 cubes of 32 lanes.
     let max_units = 1 << max_units.ilog2();
-    let width = col_vecs.next_power_of_two().clamp(1, 32).min(max_units);
+    let width = col_vecs.next_power_of_two().clamp(1, 8).min(max_units);
     let lanes = (max_units / width).min(rows.next_power_of_two()).max(1);
     let units = width * lanes;
     launch::check_cube_fits(client, units as u32, units * vec * 4)?;
