@@ -669,7 +669,7 @@ pub fn clip_scale<R: Runtime>(
             client,
             CubeCount::Static(1, 1, 1),
             CubeDim::new_1d(NORM_UNITS),
-            TensorArg::from_raw_parts(partials.clone(), [1].into(), [count.max(1)].into()),
+            launch::flat_arg(partials, count),
             TensorArg::from_raw_parts(out.clone(), [1].into(), [2].into()),
             count,
             max_norm.unwrap_or(1.0) as f32,

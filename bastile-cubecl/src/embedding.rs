@@ -90,7 +90,7 @@ pub fn add_rows<R: Runtime>(
             CubeDim::new_1d(UNITS),
             v,
             buffers.grad.arg(p.vocab, p.hidden),
-            TensorArg::from_raw_parts(buffers.ids.clone(), [1].into(), [p.tokens].into()),
+            launch::flat_arg(&buffers.ids, p.tokens),
             buffers.dout.arg(p.tokens, p.hidden),
             p.tokens,
             p.vocab,

@@ -246,7 +246,7 @@ pub fn column_sum<R: Runtime>(
             CubeDim::new_2d(width as u32, lanes as u32),
             vec,
             TensorArg::from_raw_parts(partials.clone(), [cols, 1].into(), [rows, cols].into()),
-            TensorArg::from_raw_parts(output.clone(), [1].into(), [cols].into()),
+            launch::flat_arg(output, cols),
             rows,
             col_vecs,
             units,

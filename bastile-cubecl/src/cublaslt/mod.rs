@@ -32,6 +32,7 @@ use cudarc::driver::sys::CUstream;
 
 use self::algo::{AlgoKey, Prepared};
 use self::device::DeviceState;
+use self::order::Order;
 use crate::gemm_layout::GemmPlan;
 use crate::{FloatDtype, KernelError};
 
@@ -143,7 +144,7 @@ pub fn gemm(
             let r = client.get_resource(h.clone()).map_err(address_error)?;
             Ok((r.resource().ptr, r))
         };
-        return launch(client, index, None, &call, resource);
+        return launch(index, Order::HostSync(client), &call, resource);
     };
     // Whether cuBLASLt takes the problem is settled here, where the caller
     // can still take another path. The buffers' addresses are known only
@@ -164,7 +165,7 @@ pub fn gemm(
     })?;
     // The stream crosses to the device thread as an address (raw pointers
     // are not `Send`).
-    let (stream, client) = (stream as usize, client.clone());
+    let stream = stream as usize;
     DeviceHandle::<<CudaRuntime as Runtime>::Server>::new(CudaDevice { index }.to_id()).submit(
         move |server| {
             // The caller's CubeCL stream: the device thread runs each task
@@ -176,7 +177,7 @@ pub fn gemm(
                     .map_err(address_error)?;
                 Ok((r.resource().ptr, r))
             };
-            if let Err(e) = launch(&client, index, Some(stream as CUstream), &call, resource) {
+            if let Err(e) = launch(index, Order::Stream(stream as CUstream), &call, resource) {
                 on_error(e);
             }
         },
@@ -283,13 +284,11 @@ impl Call {
     }
 }
 
-/// [`gemm`]'s work once the ordering mode is known (`same`: CubeCL's
-/// stream, or `None` for host synchronization). `resource` gives a
+/// [`gemm`]'s work once the ordering is known. `resource` gives a
 /// buffer's device address and what keeps the buffer alive meanwhile.
 fn launch<Held>(
-    client: &ComputeClient<CudaRuntime>,
     index: usize,
-    same: Option<CUstream>,
+    order: Order<'_>,
     call: &Call,
     mut resource: impl FnMut(&Handle) -> Result<(u64, Held), KernelError>,
 ) -> Result<(), KernelError> {
@@ -307,7 +306,7 @@ fn launch<Held>(
 
     device::with_device(index, |dev| {
         dev.make_current()?;
-        order::ordered(client, same, dev, |dev, stream, workspace| {
+        order::ordered(order, dev, |dev, stream, workspace| {
             let handle = dev.handle;
             let prepared = prepared(dev, key)?;
             if let Some(ptr) = bias_ptr {

@@ -75,20 +75,32 @@ pub fn order_mode(client: &ComputeClient<CudaRuntime>, index: usize) -> OrderMod
     }
 }
 
+/// How one call is ordered against CubeCL's work.
+#[derive(Clone, Copy)]
+pub(super) enum Order<'a> {
+    /// Enqueued on CubeCL's own stream ([`same_stream`]'s answer), from
+    /// CubeCL's device thread.
+    Stream(CUstream),
+    /// Between a synchronization of this client's stream and one of
+    /// cuBLASLt's own.
+    HostSync(&'a ComputeClient<CudaRuntime>),
+}
+
 /// Runs `launch` (which enqueues on the stream and workspace it is given)
 /// ordered after every CubeCL operation submitted so far and before every
-/// later one. `same` is [`same_stream`]'s answer for the caller; the caller
-/// has already fetched the operands' resources.
+/// later one; the caller has already fetched the operands' resources.
 pub(super) fn ordered(
-    client: &ComputeClient<CudaRuntime>,
-    same: Option<CUstream>,
+    order: Order<'_>,
     dev: &mut DeviceState,
     launch: impl FnOnce(&mut DeviceState, CUstream, u64) -> Result<(), KernelError>,
 ) -> Result<(), KernelError> {
-    if let Some(stream) = same {
-        let workspace = dev.workspace_for(stream)?;
-        return launch(dev, stream, workspace);
-    }
+    let client = match order {
+        Order::Stream(stream) => {
+            let workspace = dev.workspace_for(stream)?;
+            return launch(dev, stream, workspace);
+        }
+        Order::HostSync(client) => client,
+    };
     cubecl::future::block_on(client.sync())
         .map_err(|e| KernelError::Launch(format!("waiting for CubeCL's stream: {e:?}")))?;
     let (stream, workspace) = (dev.stream, dev.workspace_for(dev.stream)?);
