@@ -13,12 +13,24 @@ use crate::timing::median_seconds;
 use crate::train::TrainImpl;
 use crate::{Args, progress};
 
-/// `(batch, heads, kv_heads, head_dim)`; the sequence lengths come from
-/// `--seq` and `--impl burn` / `--impl bastile` picks one side, so that
-/// each configuration can run in its own process (Burn's side runs out of
-/// memory first).
-const SHAPE: (usize, usize, usize, usize) = (1, 16, 8, 128);
+/// `(batch, heads, kv_heads, head_dim)`: Qwen3's attention (16 query
+/// heads of 128 over 8 key-value heads) and Llama 3.2's (32 of 64 over 8).
+/// The sequence lengths come from `--seq` and `--impl burn` / `--impl
+/// bastile` picks one side, so that each configuration can run in its own
+/// process (Burn's side runs out of memory first).
+const SHAPES: [(usize, usize, usize, usize); 2] = [(1, 16, 8, 128), (1, 32, 8, 64)];
 const TINY: (usize, usize, usize, usize) = (1, 4, 2, 64);
+
+/// The PyTorch script's name of a bench shape (`b1 hq16 hkv8 d128
+/// causal` is `16x8x128`), `None` for any other text.
+pub fn torch_shape(shape: &str) -> Option<String> {
+    let mut dims = shape.split(' ');
+    let _batch = dims.next()?.strip_prefix('b')?;
+    let h = dims.next()?.strip_prefix("hq")?.parse::<usize>().ok()?;
+    let hk = dims.next()?.strip_prefix("hkv")?.parse::<usize>().ok()?;
+    let d = dims.next()?.strip_prefix('d')?.parse::<usize>().ok()?;
+    Some(format!("{h}x{hk}x{d}"))
+}
 
 fn inputs<X: BastileBackend>(
     seq: usize,
@@ -91,24 +103,40 @@ where
     R: cubecl::Runtime<Device = B::Device>,
     B: bastile::ops::KernelBackend + BastileBackend,
 {
-    let (shape, dtype, seqs) = if args.tiny {
-        (TINY, DType::F32, vec![64, 200])
+    let (shapes, dtype, seqs) = if args.tiny {
+        (vec![TINY], DType::F32, vec![64, 200])
     } else {
         (
-            SHAPE,
+            SHAPES.to_vec(),
             DType::BF16,
             args.seq
                 .clone()
                 .unwrap_or_else(|| vec![2048, 4096, 8192, 16384]),
         )
     };
+    for shape in shapes {
+        bench_shape::<R, B>(shape, dtype, &seqs, device, args, report);
+    }
+}
+
+fn bench_shape<R, B>(
+    shape: (usize, usize, usize, usize),
+    dtype: DType,
+    seqs: &[usize],
+    device: &B::Device,
+    args: &Args,
+    report: &mut Report,
+) where
+    R: cubecl::Runtime<Device = B::Device>,
+    B: bastile::ops::KernelBackend + BastileBackend,
+{
     let (b, h, hk, d) = shape;
     let samples = args.samples.clamp(1, 10);
     let calls = args.calls.max(1);
     // Burn's attention saves `[seq, seq]` scores and runs out of memory at
     // long sequences; its first failure ends its side of the sweep.
     let mut failed: Vec<&str> = Vec::new();
-    for seq in seqs {
+    for &seq in seqs {
         let causal_fwd = 4.0 * (b * h * d) as f64 * (seq * seq) as f64 / 2.0;
         for implementation in ["bastile", "burn"] {
             // `bastile` and `bastile (Burn matmul)` both name our side.
@@ -141,7 +169,7 @@ where
             };
             let Ok((fwd, both, peak)) = measured else {
                 progress::log(format!(
-                    "attention seq {seq}: {implementation} failed (out of memory?); longer sequences skipped"
+                    "attention hq{h} d{d} seq {seq}: {implementation} failed (out of memory?); longer sequences skipped"
                 ));
                 row.error = Some("failed (panicked; the log says why)".into());
                 report.attention.push(row);
@@ -155,7 +183,7 @@ where
             row.fwd_bwd_tflops = 3.5 * causal_fwd / both / 1e12;
             row.peak_mib = peak;
             progress::log(format!(
-                "attention seq {:>6} {:<8} fwd {:>9.3} ms {:>6.1} TFLOP/s  fwd+bwd {:>9.3} ms {:>6.1} TFLOP/s  peak {:>8.0} MiB",
+                "attention hq{h} d{d} seq {:>6} {:<8} fwd {:>9.3} ms {:>6.1} TFLOP/s  fwd+bwd {:>9.3} ms {:>6.1} TFLOP/s  peak {:>8.0} MiB",
                 row.seq,
                 row.implementation,
                 row.fwd_ms,

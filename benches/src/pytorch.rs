@@ -84,13 +84,24 @@ pub fn compare(args: &Args, report: &mut Report) {
         return;
     }
     let mut seqs: Vec<String> = Vec::new();
+    let mut attention_shapes: Vec<String> = Vec::new();
     for r in &report.attention {
         if !seqs.contains(&r.seq.to_string()) {
             seqs.push(r.seq.to_string());
         }
+        if let Some(s) = crate::attention::torch_shape(&r.shape)
+            && !attention_shapes.contains(&s)
+        {
+            attention_shapes.push(s);
+        }
     }
-    if !seqs.is_empty() {
-        let script_args = vec!["--seq".into(), seqs.join(",")];
+    if !seqs.is_empty() && !attention_shapes.is_empty() {
+        let script_args = vec![
+            "--seq".into(),
+            seqs.join(","),
+            "--shapes".into(),
+            attention_shapes.join(","),
+        ];
         run_into(
             args,
             "attention_torch.py",
@@ -239,5 +250,16 @@ mod tests {
         );
         assert_eq!(flce_shape("N=8192 H=x V=1"), None);
         assert_eq!(flce_shape("N=1 H=2"), None);
+    }
+
+    #[test]
+    fn attention_shapes_are_written_as_the_script_reads_them() {
+        use crate::attention::torch_shape;
+        assert_eq!(
+            torch_shape("b1 hq32 hkv8 d64 causal").as_deref(),
+            Some("32x8x64")
+        );
+        assert_eq!(torch_shape("b1 hq16 hkv8 dx causal"), None);
+        assert_eq!(torch_shape("hq16 hkv8 d128"), None);
     }
 }
