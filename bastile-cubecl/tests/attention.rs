@@ -585,48 +585,62 @@ fn problem_of(c: &Case, dtype: FloatDtype) -> AttentionProblem {
     }
 }
 
-struct TensorCores;
+/// The half-precision dtypes the tensor-core path runs on this client (it
+/// decides per dtype, whatever the problem's options), or, where it runs
+/// none, checks that a launch is refused and gives none.
+fn tensor_core_dtypes<R: Runtime>(
+    client: &ComputeClient<R>,
+    runtime: &str,
+    dtypes: &[FloatDtype],
+) -> Vec<FloatDtype> {
+    let mut candidate = Case::new(2, 4, 2, 37, 64);
+    candidate.sinks = true;
+    let half: Vec<FloatDtype> = supported_dtypes(client, dtypes)
+        .into_iter()
+        .filter(|d| *d != FloatDtype::F32)
+        .filter(|d| mma::usable(client, &problem_of(&candidate, *d)))
+        .collect();
+    if half.is_empty() {
+        // Without the instruction (or in f32) the path refuses, it
+        // never launches.
+        let problem = problem_of(&candidate, FloatDtype::F32);
+        let layout = || HeadLayout::dense(client.empty(1 << 16), 4, 37, 64);
+        let buffers = AttentionForwardBuffers {
+            q: layout(),
+            k: layout(),
+            v: layout(),
+            out: layout(),
+            lse: client.empty(1024),
+            sinks: None,
+            key_lengths: None,
+            doc_starts: None,
+        };
+        let cfg = MmaLaunch {
+            planes: 4,
+            cols: 64,
+            tiles: 1,
+            fused_dq: false,
+        };
+        let err = mma::forward_with(client, &problem, &buffers, &cfg).unwrap_err();
+        assert!(
+            matches!(err, KernelError::Unsupported(_)),
+            "{runtime}: {err}"
+        );
+    }
+    half
+}
 
-impl RuntimeTest for TensorCores {
+/// Every launch candidate of the tensor-core path, forward and backward
+/// in turns, in each half dtype.
+struct TensorCoreCandidates;
+
+impl RuntimeTest for TensorCoreCandidates {
     fn run<R: Runtime>(&self, device: &R::Device, runtime: &str, dtypes: &[FloatDtype]) {
         let client = R::client(device);
         let mut rng = Rng::fresh();
         let mut candidate = Case::new(2, 4, 2, 37, 64);
         candidate.sinks = true;
-        let half: Vec<FloatDtype> = supported_dtypes(&client, dtypes)
-            .into_iter()
-            .filter(|d| *d != FloatDtype::F32)
-            .filter(|d| mma::usable(&client, &problem_of(&candidate, *d)))
-            .collect();
-        if half.is_empty() {
-            // Without the instruction (or in f32) the path refuses, it
-            // never launches.
-            let problem = problem_of(&candidate, FloatDtype::F32);
-            let layout = || HeadLayout::dense(client.empty(1 << 16), 4, 37, 64);
-            let buffers = AttentionForwardBuffers {
-                q: layout(),
-                k: layout(),
-                v: layout(),
-                out: layout(),
-                lse: client.empty(1024),
-                sinks: None,
-                key_lengths: None,
-                doc_starts: None,
-            };
-            let cfg = MmaLaunch {
-                planes: 4,
-                cols: 64,
-                tiles: 1,
-                fused_dq: false,
-            };
-            let err = mma::forward_with(&client, &problem, &buffers, &cfg).unwrap_err();
-            assert!(
-                matches!(err, KernelError::Unsupported(_)),
-                "{runtime}: {err}"
-            );
-            return;
-        }
-        for dtype in half {
+        for dtype in tensor_core_dtypes(&client, runtime, dtypes) {
             let fwd = mma::candidates(&client, &problem_of(&candidate, dtype), false);
             let bwd = mma::candidates(&client, &problem_of(&candidate, dtype), true);
             assert!(fwd.len() >= 3 && bwd.len() >= 3, "{fwd:?} {bwd:?}");
@@ -634,40 +648,60 @@ impl RuntimeTest for TensorCores {
             for i in 0..fwd.len().max(bwd.len()) {
                 check(&client, device, &candidate, dtype, pair(i), &mut rng);
             }
-            if dtype == FloatDtype::F16 {
-                // The kernels are generic over the dtype; the option cases
-                // and the tuned run need one.
-                continue;
-            }
-            // Each option case rotates through its own candidates (the
-            // fused backward takes only some head dims).
-            for (i, case) in option_cases().iter().enumerate() {
-                let fwd = mma::candidates(&client, &problem_of(case, dtype), false);
-                let bwd = mma::candidates(&client, &problem_of(case, dtype), true);
-                let path = Path::Mma(Some((&fwd[i % fwd.len()], &bwd[i % bwd.len()])));
-                check(&client, device, case, dtype, path, &mut rng);
-            }
-            // Padding under the fused backward, where the device has it.
-            let mut padded = Case::new(3, 4, 2, 45, 128);
-            padded.key_lengths = Some(vec![45, 17, 0]);
-            padded.causal = true;
-            let problem = problem_of(&padded, dtype);
-            let fwd = mma::candidates(&client, &problem, false);
-            let fused = mma::candidates(&client, &problem, true)
-                .into_iter()
-                .filter(|c| c.fused_dq);
-            for (i, bwd) in fused.enumerate() {
-                let path = Path::Mma(Some((&fwd[i % fwd.len()], &bwd)));
-                check(&client, device, &padded, dtype, path, &mut rng);
-            }
-            let mut long = Case::new(1, 4, 2, 1000, 128);
-            long.sinks = true;
-            check(&client, device, &long, dtype, Path::Mma(None), &mut rng);
         }
     }
 }
 
+/// The tensor-core path under every mask option, padding under the fused
+/// backward, and a long case with the tuned (or default) launches. The
+/// kernels are generic over the dtype: one is enough.
+struct TensorCoreOptions;
+
+impl RuntimeTest for TensorCoreOptions {
+    fn run<R: Runtime>(&self, device: &R::Device, runtime: &str, dtypes: &[FloatDtype]) {
+        let client = R::client(device);
+        let mut rng = Rng::fresh();
+        let half = tensor_core_dtypes(&client, runtime, dtypes);
+        let Some(&dtype) = half
+            .iter()
+            .find(|d| **d != FloatDtype::F16)
+            .or(half.first())
+        else {
+            return;
+        };
+        // Each option case rotates through its own candidates (the fused
+        // backward takes only some head dims).
+        for (i, case) in option_cases().iter().enumerate() {
+            let fwd = mma::candidates(&client, &problem_of(case, dtype), false);
+            let bwd = mma::candidates(&client, &problem_of(case, dtype), true);
+            let path = Path::Mma(Some((&fwd[i % fwd.len()], &bwd[i % bwd.len()])));
+            check(&client, device, case, dtype, path, &mut rng);
+        }
+        // Padding under the fused backward, where the device has it.
+        let mut padded = Case::new(3, 4, 2, 45, 128);
+        padded.key_lengths = Some(vec![45, 17, 0]);
+        padded.causal = true;
+        let problem = problem_of(&padded, dtype);
+        let fwd = mma::candidates(&client, &problem, false);
+        let fused = mma::candidates(&client, &problem, true)
+            .into_iter()
+            .filter(|c| c.fused_dq);
+        for (i, bwd) in fused.enumerate() {
+            let path = Path::Mma(Some((&fwd[i % fwd.len()], &bwd)));
+            check(&client, device, &padded, dtype, path, &mut rng);
+        }
+        let mut long = Case::new(1, 4, 2, 1000, 128);
+        long.sinks = true;
+        check(&client, device, &long, dtype, Path::Mma(None), &mut rng);
+    }
+}
+
 #[test]
-fn attention_tensor_cores_match_reference() {
-    for_each_runtime(&TensorCores);
+fn attention_tensor_core_candidates_match_reference() {
+    for_each_runtime(&TensorCoreCandidates);
+}
+
+#[test]
+fn attention_tensor_core_options_match_reference() {
+    for_each_runtime(&TensorCoreOptions);
 }
