@@ -243,15 +243,20 @@ impl Call {
         }
     }
 
+    /// Bytes of an operand's element and of an output's.
+    fn element_bytes(&self) -> (u64, u64) {
+        (
+            self.dtypes.operands.size() as u64,
+            self.dtypes.out.size() as u64,
+        )
+    }
+
     /// The algorithm key of the call with its buffers at `addresses`
     /// (`[lhs, rhs, out, bias]`; the bias's is ignored without one): the
     /// alignment every matrix of every call shares enters the key.
     fn key(&self, [lhs, rhs, out, bias]: [u64; 4]) -> AlgoKey {
         let plan = &self.plan;
-        let (elem, out_elem) = (
-            self.dtypes.operands.size() as u64,
-            self.dtypes.out.size() as u64,
-        );
+        let (elem, out_elem) = self.element_bytes();
         let align_of = |base: u64, slot: usize, batch_stride: usize, elem: u64| {
             plan.calls
                 .iter()
@@ -299,10 +304,7 @@ fn launch<Held>(
     let bias_ptr = bias.as_ref().map(|(ptr, _)| *ptr);
     let key = call.key([lhs_ptr, rhs_ptr, out_ptr, bias_ptr.unwrap_or(0)]);
     let plan = &call.plan;
-    let (elem, out_elem) = (
-        call.dtypes.operands.size() as u64,
-        call.dtypes.out.size() as u64,
-    );
+    let (elem, out_elem) = call.element_bytes();
 
     device::with_device(index, |dev| {
         dev.make_current()?;
