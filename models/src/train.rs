@@ -769,6 +769,14 @@ impl<B: AutodiffBackend> StepResults<B> {
         norm: Option<Tensor<B, 1>>,
         elsewhere: Option<Tensor<B, 1, Bool>>,
     ) -> Result<Option<(f64, usize)>, ModelError> {
+        let norm_at = 1 + usize::from(elsewhere.is_some());
+        let mut floats = vec![self.loss];
+        floats.extend(elsewhere.map(|e| e.float()));
+        floats.extend(norm);
+        // Both gatherings are queued before the first read, which then
+        // runs them both: the second read finds its values ready instead
+        // of queuing its own work behind a round trip.
+        let floats = Tensor::cat(floats, 0);
         let mut ints = vec![self.tokens];
         ints.extend(self.id_checks.iter().map(IdCheck::found));
         ints.extend(self.checks.iter().map(LabelCheck::found));
@@ -800,11 +808,7 @@ impl<B: AutodiffBackend> StepResults<B> {
                     .into(),
             );
         }
-        let norm_at = 1 + usize::from(elsewhere.is_some());
-        let mut floats = vec![self.loss];
-        floats.extend(elsewhere.map(|e| e.float()));
-        floats.extend(norm);
-        let floats: Vec<f64> = read_back(Tensor::cat(floats, 0), Some(step))?;
+        let floats: Vec<f64> = read_back(floats, Some(step))?;
         let loss = floats[0];
         let norm = floats.get(norm_at).copied();
         // Skipped for another worker's batch: the fused AdamW made the norm
