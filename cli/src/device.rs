@@ -1,6 +1,7 @@
-//! The backend a command runs on: `Autodiff<Bastile<Cuda>>` (or over
-//! wgpu/Vulkan) with the fused kernels, the same backend without Bastile
-//! for the baseline, or Burn's CPU backend where no GPU is present.
+//! The backend a command runs on: with the fused kernels,
+//! `Autodiff<Bastile<CudaDirect>>` on one GPU, `Autodiff<Bastile<Cuda>>` on
+//! several (or over wgpu/Vulkan); Burn's own backend without Bastile for the
+//! baseline; or Burn's CPU backend where no GPU is present.
 
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 use bastile::Bastile;
@@ -62,6 +63,12 @@ impl RunInfo {
 /// Work generic over the training backend.
 pub trait Task: Sized {
     type Output;
+
+    /// The models the task runs (preset names or directories): on CUDA
+    /// they decide whether it runs over Burn's fusion stream (see
+    /// [`routes_experts`]).
+    fn models(&self) -> Vec<&str>;
+
     fn run<B>(self, device: B::Device, info: RunInfo) -> Result<Self::Output, CliError>
     where
         B: AutodiffBackend + BastileBackend,
@@ -185,11 +192,30 @@ fn cuda<T: Task>(bastile: bool, task: T, info: RunInfo) -> Result<T::Output, Cli
             "--device cuda: no CUDA GPU or driver found on this machine".into(),
         ));
     }
-    if bastile {
+    if bastile && !routes_experts(&task)? {
+        // A dense model without Burn's fusion stream: Bastile's kernels
+        // fuse what it would, and a step queues faster without its per-op
+        // bookkeeping (`benches/results/direct-cuda-h200/`).
+        task.run::<Autodiff<Bastile<bastile::CudaDirect>>>(Default::default(), info)
+    } else if bastile {
+        // A mixture of experts keeps the stream: its step measured faster
+        // with it.
         task.run::<Autodiff<Bastile<Cuda>>>(Default::default(), info)
     } else {
         task.run::<Autodiff<Cuda>>(Default::default(), info)
     }
+}
+
+/// Whether any of the task's models routes its tokens to experts
+/// (GPT-OSS).
+pub fn routes_experts<T: Task>(task: &T) -> Result<bool, CliError> {
+    for model in task.models() {
+        let config = crate::source::ModelSource::parse(model)?.config()?;
+        if config.num_local_experts.is_some_and(|experts| experts > 0) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -241,4 +267,41 @@ pub fn cuda_present() -> bool {
 #[cfg(not(feature = "cuda"))]
 pub fn cuda_present() -> bool {
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Runs(Vec<&'static str>);
+
+    impl Task for Runs {
+        type Output = ();
+
+        fn models(&self) -> Vec<&str> {
+            self.0.clone()
+        }
+
+        fn run<B>(self, _: B::Device, _: RunInfo) -> Result<(), CliError>
+        where
+            B: AutodiffBackend + BastileBackend,
+            B::InnerBackend: BastileBackend,
+        {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn only_models_with_experts_route_experts() {
+        assert!(!routes_experts(&Runs(vec!["qwen3-0.6b", "llama-3.2-1b"])).unwrap());
+        assert!(routes_experts(&Runs(vec!["gpt-oss-20b-4l"])).unwrap());
+        // Any one model with experts decides for the task.
+        assert!(routes_experts(&Runs(vec!["bastile-tiny", "gpt-oss-20b"])).unwrap());
+        match routes_experts(&Runs(vec!["qwen3-0.6b", "no-such-model"])) {
+            Err(CliError::Usage(message)) => {
+                assert!(message.contains("no-such-model"), "{message}")
+            }
+            other => panic!("an unknown model is a usage error, got {other:?}"),
+        }
+    }
 }

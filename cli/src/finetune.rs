@@ -150,6 +150,10 @@ pub fn run(
 impl Task for Finetune {
     type Output = FinetuneReport;
 
+    fn models(&self) -> Vec<&str> {
+        vec![self.0.model.as_str()]
+    }
+
     fn run<B>(self, device: B::Device, info: RunInfo) -> Result<FinetuneReport, CliError>
     where
         B: AutodiffBackend + BastileBackend,

@@ -62,6 +62,10 @@ pub fn run(
 impl Task for Generate {
     type Output = Vec<Reply>;
 
+    fn models(&self) -> Vec<&str> {
+        self.0.models.iter().map(String::as_str).collect()
+    }
+
     fn run<B>(self, device: B::Device, info: RunInfo) -> Result<Vec<Reply>, CliError>
     where
         B: AutodiffBackend + BastileBackend,

@@ -62,6 +62,10 @@ pub fn run(
 impl Task for Warmup {
     type Output = WarmupReport;
 
+    fn models(&self) -> Vec<&str> {
+        vec![self.0.model.as_str()]
+    }
+
     fn run<B>(self, device: B::Device, info: RunInfo) -> Result<WarmupReport, CliError>
     where
         B: AutodiffBackend + BastileBackend,
