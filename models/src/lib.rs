@@ -1,7 +1,8 @@
 //! Qwen3, Llama 3.x and GPT-OSS in Burn, generic over
 //! [`bastile::BastileBackend`]: the same model code is the baseline under
 //! `Autodiff<Cuda>` and runs Bastile's fused kernels under
-//! `Autodiff<Bastile<Cuda>>`. Hugging Face checkpoints load with
+//! `Autodiff<Bastile<Cuda>>` (or `Autodiff<Bastile<bastile::CudaDirect>>`,
+//! without Burn's fusion stream, which queues a dense model's step faster). Hugging Face checkpoints load with
 //! [`CausalLm::from_hf_dir`] and save with [`CausalLm::save_hf_dir`];
 //! [`presets`] names the published sizes so nothing needs a download.
 
