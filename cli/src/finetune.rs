@@ -150,8 +150,12 @@ pub fn run(
 impl Task for Finetune {
     type Output = FinetuneReport;
 
-    fn models(&self) -> Vec<&str> {
-        vec![self.0.model.as_str()]
+    fn models(&self) -> Vec<String> {
+        // A resumed run trains the checkpoint's model (`model` is not read).
+        match &self.0.resume {
+            Some(dir) => vec![dir.to_string_lossy().into_owned()],
+            None => vec![self.0.model.clone()],
+        }
     }
 
     fn run<B>(self, device: B::Device, info: RunInfo) -> Result<FinetuneReport, CliError>

@@ -62,8 +62,8 @@ pub fn run(
 impl Task for Generate {
     type Output = Vec<Reply>;
 
-    fn models(&self) -> Vec<&str> {
-        self.0.models.iter().map(String::as_str).collect()
+    fn models(&self) -> Vec<String> {
+        self.0.models.clone()
     }
 
     fn run<B>(self, device: B::Device, info: RunInfo) -> Result<Vec<Reply>, CliError>

@@ -62,8 +62,8 @@ pub fn run(
 impl Task for Warmup {
     type Output = WarmupReport;
 
-    fn models(&self) -> Vec<&str> {
-        vec![self.0.model.as_str()]
+    fn models(&self) -> Vec<String> {
+        vec![self.0.model.clone()]
     }
 
     fn run<B>(self, device: B::Device, info: RunInfo) -> Result<WarmupReport, CliError>

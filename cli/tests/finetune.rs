@@ -8,8 +8,8 @@
 
 use std::path::{Path, PathBuf};
 
-use bastile_cli::device::DeviceKind;
-use bastile_cli::finetune::{self, FinetuneOptions, FinetuneReport};
+use bastile_cli::device::{DeviceKind, routes_experts};
+use bastile_cli::finetune::{self, Finetune, FinetuneOptions, FinetuneReport};
 use bastile_cli::generate::{self, GenerateOptions};
 use bastile_cli::warmup::{self, WarmupOptions};
 use bastile_cli::{CliError, DTypeArg};
@@ -243,6 +243,12 @@ fn a_resumed_run_repeats_the_uninterrupted_losses() {
         resumed.output = resumed_out.clone();
         resumed.model = "not read when resuming".into();
         resumed.resume = Some(first.join("checkpoint-3"));
+        // The backend is chosen by the checkpoint's model, not by `model`.
+        let mut named_experts = resumed.clone();
+        named_experts.model = "gpt-oss-20b-4l".into();
+        assert!(!routes_experts(&Finetune(named_experts.clone())));
+        named_experts.resume = None;
+        assert!(routes_experts(&Finetune(named_experts)));
         let rest = finetune(DeviceKind::Cpu, true, resumed).unwrap();
         same_losses("before the stop", &cut.losses[..3], &whole.losses[..3]);
         same_losses(&format!("{optimizer:?}"), &rest.losses, &whole.losses);
