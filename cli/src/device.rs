@@ -206,14 +206,14 @@ fn cuda<T: Task>(bastile: bool, task: T, info: RunInfo) -> Result<T::Output, Cli
     }
 }
 
-/// Whether any of the task's models routes its tokens to experts
-/// (GPT-OSS). A model whose config cannot be read counts as dense: the
-/// task says why when it loads the model.
+/// Whether any of the task's models routes its tokens to experts, as its
+/// resolved config says (GPT-OSS). A model whose config cannot be read or
+/// resolved counts as dense: the task says why when it loads the model.
 pub fn routes_experts<T: Task>(task: &T) -> bool {
     task.models().iter().any(|model| {
         crate::source::ModelSource::parse(model)
-            .and_then(|source| source.config())
-            .is_ok_and(|config| config.num_local_experts.is_some_and(|experts| experts > 0))
+            .and_then(|source| Ok(source.config()?.resolve()?))
+            .is_ok_and(|config| config.moe.is_some())
     })
 }
 

@@ -2,9 +2,10 @@
 //! [`bastile::BastileBackend`]: the same model code is the baseline under
 //! `Autodiff<Cuda>` and runs Bastile's fused kernels under
 //! `Autodiff<Bastile<Cuda>>` (or `Autodiff<Bastile<bastile::CudaDirect>>`,
-//! without Burn's fusion stream, which queues a dense model's step faster). Hugging Face checkpoints load with
-//! [`CausalLm::from_hf_dir`] and save with [`CausalLm::save_hf_dir`];
-//! [`presets`] names the published sizes so nothing needs a download.
+//! without Burn's fusion stream, which queues a dense model's step
+//! faster). Hugging Face checkpoints load with [`CausalLm::from_hf_dir`]
+//! and save with [`CausalLm::save_hf_dir`]; [`presets`] names the
+//! published sizes so nothing needs a download.
 
 pub mod attention;
 pub mod checkpointing;
