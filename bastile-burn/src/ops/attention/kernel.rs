@@ -192,12 +192,6 @@ fn contiguous<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) 
     empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, dtype)
 }
 
-fn dense<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape) -> (CubeTensor<R>, HeadLayout) {
-    let t = contiguous(like, shape.clone(), like.dtype);
-    let layout = HeadLayout::dense(t.handle.clone(), shape[1], shape[2], shape[3]);
-    (t, layout)
-}
-
 /// A fresh `[batch, heads, seq, head_dim]` tensor stored as `[batch, seq,
 /// heads, head_dim]`: a model reads the attention's output back as one
 /// row per token (`swap_dims(1, 2)`, then a reshape to `[batch, seq,
@@ -336,9 +330,12 @@ fn backward<R: CubeRuntime>(
     let (_out, out_l) = heads(out);
     let (_dout, dout_l) = heads(dout);
     let lse = into_contiguous(lse);
-    let (dq, dq_l) = dense(&t.q, t.q.shape());
-    let (dk, dk_l) = dense(&t.k, t.k.shape());
-    let (dv, dv_l) = dense(&t.k, t.k.shape());
+    // Stored like the projections they flow back into: a model's views
+    // (`swap_dims(1, 2)`, then a reshape to one row per token) are then
+    // views of the gradients too, where heads-major storage would copy.
+    let (dq, dq_l) = seq_major(&t.q, t.q.shape());
+    let (dk, dk_l) = seq_major(&t.k, t.k.shape());
+    let (dv, dv_l) = seq_major(&t.k, t.k.shape());
     let delta = t.row_stats();
     let dsink_rows = t.sinks.as_ref().map(|_| t.row_stats());
     let [q_l, k_l, v_l] = t.layouts.clone();
