@@ -18,6 +18,7 @@ use plotters::prelude::*;
 use plotters::style::FontStyle;
 
 use crate::report::Report;
+use crate::train::CudaBackend;
 
 /// One line of a panel.
 #[derive(Clone, Debug, PartialEq)]
@@ -261,9 +262,16 @@ fn load_font() -> Result<(), String> {
         .clone()
 }
 
-/// Colours by implementation, the same in every chart.
+/// Colours by implementation (whatever CUDA backend its row names), the
+/// same in every chart.
 fn colour(name: &str, index: usize) -> RGBColor {
-    match name {
+    let backends = [CudaBackend::Direct, CudaBackend::Fusion].map(CudaBackend::name);
+    let name = name
+        .split(", ")
+        .filter(|part| !backends.contains(part))
+        .collect::<Vec<_>>()
+        .join(", ");
+    match name.as_str() {
         "bastile" => RGBColor(214, 69, 65),
         "burn" => RGBColor(52, 101, 164),
         "bastile (Burn matmul)" => RGBColor(245, 166, 35),
@@ -507,6 +515,16 @@ pub(crate) mod tests {
             assert!(pixels.contains(&[c.0, c.1, c.2]), "{c:?} drawn");
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_rows_backend_keeps_its_implementations_colour() {
+        assert_eq!(colour("bastile, CudaDirect", 7), colour("bastile", 0));
+        assert_eq!(colour("bastile, Cuda", 7), colour("bastile", 0));
+        assert_eq!(
+            colour("bastile, LoRA r8, Cuda, 2 GPUs", 7),
+            colour("bastile, LoRA r8, 2 GPUs", 7)
+        );
     }
 
     /// The RGB pixels of a chart's PNG.

@@ -33,13 +33,26 @@ use clap::{Parser, ValueEnum};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Runtime {
+    /// CUDA on the backends `bastile finetune` trains on: Bastile's rows
+    /// of a dense model on one GPU over `bastile::CudaDirect`, those of a
+    /// model with experts or on several GPUs over `burn::backend::Cuda`
+    /// (Burn's fusion stream), Burn's rows over `burn::backend::Cuda`.
+    /// Each Bastile row names its backend.
     Cuda,
-    /// CUDA without Burn's fusion backend (`CubeBackend` directly): every
-    /// op is dispatched as it comes, without the fusion layer's queue and
-    /// its per-op bookkeeping; Burn's own element-wise ops are then not
-    /// fused.
-    CudaUnfused,
+    /// CUDA, every row over `burn::backend::Cuda` (Burn's fusion stream).
+    CudaFusion,
+    /// CUDA, every row over `bastile::CudaDirect` (Burn's `CubeBackend`
+    /// without the fusion stream): every op is dispatched as it comes,
+    /// and Burn's own element-wise ops are not fused.
+    #[value(alias = "cuda-unfused")]
+    CudaDirect,
     Wgpu,
+}
+
+impl Runtime {
+    pub fn is_cuda(self) -> bool {
+        self != Runtime::Wgpu
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -270,33 +283,10 @@ fn main() {
         .runtime
         .expect("clap requires --runtime without --replot");
     let mut report = match runtime {
-        Runtime::Cuda => {
-            #[cfg(feature = "distributed")]
-            if args.child && args.devices.first().is_some_and(|&d| d > 1) {
-                args.attention.apply();
-                let imp = *args
-                    .implementation
-                    .first()
-                    .expect("a child measures one --impl");
-                train::run_child_parallel::<cubecl::cuda::CudaRuntime, burn::backend::Cuda>(
-                    &args, imp,
-                );
-            }
+        Runtime::Cuda | Runtime::CudaFusion | Runtime::CudaDirect => {
             #[cfg(feature = "cuda")]
             {
-                run::<cubecl::cuda::CudaRuntime, burn::backend::Cuda>(&args, "cuda")
-            }
-            #[cfg(not(feature = "cuda"))]
-            {
-                eprintln!("bastile-bench was built without feature `cuda`");
-                std::process::exit(2)
-            }
-        }
-        Runtime::CudaUnfused => {
-            #[cfg(feature = "cuda")]
-            {
-                type Unfused = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
-                run::<cubecl::cuda::CudaRuntime, Unfused>(&args, "cuda-unfused")
+                run_cuda(&args, runtime)
             }
             #[cfg(not(feature = "cuda"))]
             {
@@ -344,6 +334,52 @@ fn save(report: &report::Report, args: &Args, last: bool) {
             eprintln!("could not write the results: {e}");
             std::process::exit(1);
         }
+    }
+}
+
+/// Runs `args` on CUDA over the backend `runtime` names; with `--runtime
+/// cuda`, a child measuring a Bastile row picks it as `bastile finetune`
+/// does ([`train::cuda_backend`]).
+#[cfg(feature = "cuda")]
+fn run_cuda(args: &Args, runtime: Runtime) -> report::Report {
+    use cubecl::cuda::CudaRuntime;
+    let name = runtime
+        .to_possible_value()
+        .expect("runtime names")
+        .get_name()
+        .to_string();
+    // A child measures one configuration: its model, implementation and
+    // device count decide the backend under `--runtime cuda`.
+    let child = args.child.then(|| {
+        let imp = *args
+            .implementation
+            .first()
+            .expect("a child measures one --impl");
+        let devices = args.devices.first().copied().unwrap_or(1);
+        (imp, devices)
+    });
+    let direct = match (runtime, child) {
+        (Runtime::CudaDirect, _) => true,
+        (Runtime::Cuda, Some((imp, devices))) => {
+            let model = args.model.first().map_or("", String::as_str);
+            train::cuda_backend(runtime, model, imp, devices) == Some(train::CudaBackend::Direct)
+        }
+        _ => false,
+    };
+    #[cfg(feature = "distributed")]
+    if let Some((imp, devices)) = child
+        && devices > 1
+    {
+        args.attention.apply();
+        if direct {
+            train::run_child_parallel::<CudaRuntime, bastile::CudaDirect>(args, imp);
+        }
+        train::run_child_parallel::<CudaRuntime, burn::backend::Cuda>(args, imp);
+    }
+    if direct {
+        run::<CudaRuntime, bastile::CudaDirect>(args, &name)
+    } else {
+        run::<CudaRuntime, burn::backend::Cuda>(args, &name)
     }
 }
 

@@ -237,6 +237,12 @@ pub fn sweep(args: &Args, models: &[String], report: &mut Report) {
                     if let Some(experts) = args.experts {
                         name = format!("{name}, {} experts", experts.name());
                     }
+                    if let Some(backend) = args
+                        .runtime
+                        .and_then(|rt| cuda_backend(rt, model, imp, devices))
+                    {
+                        name = format!("{name}, {}", backend.name());
+                    }
                     if devices > 1 {
                         name = format!("{name}, {devices} GPUs");
                     }
@@ -273,6 +279,50 @@ pub fn sweep(args: &Args, models: &[String], report: &mut Report) {
                 }
             }
         }
+    }
+}
+
+/// The CUDA backend a Bastile row trains on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CudaBackend {
+    /// `bastile::CudaDirect`: Burn's `CubeBackend` without the fusion
+    /// stream.
+    Direct,
+    /// `burn::backend::Cuda`: Burn's fusion stream over `CubeBackend`.
+    Fusion,
+}
+
+impl CudaBackend {
+    /// The name a row carries.
+    pub fn name(self) -> &'static str {
+        match self {
+            CudaBackend::Direct => "CudaDirect",
+            CudaBackend::Fusion => "Cuda",
+        }
+    }
+}
+
+/// The backend a Bastile row of `model` on `devices` GPUs trains on under
+/// `runtime`: with `--runtime cuda` the one `bastile finetune` picks
+/// (`CudaDirect` for a dense model on one GPU, Burn's `Cuda` for a model
+/// with experts or data-parallel); `None` for Burn's rows and off CUDA.
+pub fn cuda_backend(
+    runtime: crate::Runtime,
+    model: &str,
+    imp: TrainImpl,
+    devices: usize,
+) -> Option<CudaBackend> {
+    use crate::Runtime;
+    if imp == TrainImpl::Burn {
+        return None;
+    }
+    match runtime {
+        Runtime::Cuda if devices == 1 && !bastile_cli::device::model_routes_experts(model) => {
+            Some(CudaBackend::Direct)
+        }
+        Runtime::Cuda | Runtime::CudaFusion => Some(CudaBackend::Fusion),
+        Runtime::CudaDirect => Some(CudaBackend::Direct),
+        Runtime::Wgpu => None,
     }
 }
 
@@ -542,7 +592,7 @@ where
 /// In the child: measures one configuration data-parallel over the first
 /// `--devices` GPUs, gradients summed through NCCL.
 #[cfg(feature = "distributed")]
-pub fn run_child_parallel<R, B>(args: &Args, imp: TrainImpl)
+pub fn run_child_parallel<R, B>(args: &Args, imp: TrainImpl) -> !
 where
     R: cubecl::Runtime<Device = B::Device>,
     B: bastile::ops::KernelBackend
@@ -612,7 +662,7 @@ impl<'a> Run<'a> {
                 .map_or(Checkpointing::Off, Checkpointing::Every),
             expert_routing: args.experts.map(bastile_cli::ExpertsArg::routing),
             first_step_only: args.first_step_only,
-            precompile: imp != TrainImpl::Burn && args.runtime == Some(crate::Runtime::Cuda),
+            precompile: imp != TrainImpl::Burn && args.runtime.is_some_and(crate::Runtime::is_cuda),
         }
     }
 
@@ -968,7 +1018,44 @@ where
 
 #[cfg(test)]
 mod tests {
-    use super::sweep_lengths;
+    use super::{CudaBackend, TrainImpl, cuda_backend, sweep_lengths};
+    use crate::Runtime;
+
+    #[test]
+    fn bastile_rows_train_on_the_backend_the_command_picks() {
+        let on = |runtime, model, imp, devices| cuda_backend(runtime, model, imp, devices);
+        let direct = Some(CudaBackend::Direct);
+        let fusion = Some(CudaBackend::Fusion);
+        // `--runtime cuda`: dense models on one GPU without the stream,
+        // experts and several GPUs over it, as `bastile finetune` runs them.
+        assert_eq!(
+            on(Runtime::Cuda, "qwen3-0.6b", TrainImpl::Bastile, 1),
+            direct
+        );
+        assert_eq!(
+            on(Runtime::Cuda, "llama-3.2-1b", TrainImpl::BastileKernels, 1),
+            direct
+        );
+        assert_eq!(
+            on(Runtime::Cuda, "gpt-oss-20b-4l", TrainImpl::Bastile, 1),
+            fusion
+        );
+        assert_eq!(
+            on(Runtime::Cuda, "qwen3-1.7b", TrainImpl::Bastile, 2),
+            fusion
+        );
+        // The other runtimes force theirs; Burn's rows name none.
+        assert_eq!(
+            on(Runtime::CudaFusion, "qwen3-0.6b", TrainImpl::Bastile, 1),
+            fusion
+        );
+        assert_eq!(
+            on(Runtime::CudaDirect, "gpt-oss-20b-4l", TrainImpl::Bastile, 1),
+            direct
+        );
+        assert_eq!(on(Runtime::Cuda, "qwen3-0.6b", TrainImpl::Burn, 1), None);
+        assert_eq!(on(Runtime::Wgpu, "qwen3-0.6b", TrainImpl::Bastile, 1), None);
+    }
 
     #[test]
     fn the_default_sweep_doubles_from_1024_up_to_the_cap() {

@@ -206,15 +206,23 @@ fn cuda<T: Task>(bastile: bool, task: T, info: RunInfo) -> Result<T::Output, Cli
     }
 }
 
-/// Whether any of the task's models routes its tokens to experts, as its
-/// resolved config says (GPT-OSS). A model whose config cannot be read or
-/// resolved counts as dense: the task says why when it loads the model.
+/// Whether any of the task's models routes its tokens to experts (see
+/// [`model_routes_experts`]).
 pub fn routes_experts<T: Task>(task: &T) -> bool {
-    task.models().iter().any(|model| {
-        crate::source::ModelSource::parse(model)
-            .and_then(|source| Ok(source.config()?.resolve()?))
-            .is_ok_and(|config| config.moe.is_some())
-    })
+    task.models()
+        .iter()
+        .any(|model| model_routes_experts(model))
+}
+
+/// Whether `model` (a preset name or a directory) routes its tokens to
+/// experts, as its resolved config says (GPT-OSS): on CUDA such a model
+/// trains over Burn's fusion stream, a dense one over
+/// `bastile::CudaDirect`. A model whose config cannot be read or resolved
+/// counts as dense: the task says why when it loads the model.
+pub fn model_routes_experts(model: &str) -> bool {
+    crate::source::ModelSource::parse(model)
+        .and_then(|source| Ok(source.config()?.resolve()?))
+        .is_ok_and(|config| config.moe.is_some())
 }
 
 #[cfg(not(feature = "cuda"))]
