@@ -73,8 +73,8 @@ pub use backend::Bastile;
 /// chains to fuse. Under [`Bastile`] the fused kernels already cover those
 /// chains, and a dense model's training step spends less host time per op
 /// without that stream; `Autodiff<Bastile<CudaDirect>>` is the backend the
-/// `bastile` command runs dense models on with one GPU (a mixture of
-/// experts measured faster on the stream).
+/// `bastile` command runs dense models on, on one GPU and data-parallel (a
+/// mixture of experts measured faster on the stream).
 #[cfg(feature = "cuda")]
 pub type CudaDirect<F = f32, I = i32> =
     burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, F, I, u8>;

@@ -348,27 +348,25 @@ fn run_cuda(args: &Args, runtime: Runtime) -> report::Report {
         .expect("runtime names")
         .get_name()
         .to_string();
-    // A child measures one configuration: its model, implementation and
-    // device count decide the backend under `--runtime cuda`.
+    // A child measures one configuration: its model and implementation
+    // decide the backend under `--runtime cuda`.
     let child = args.child.then(|| {
-        let imp = *args
+        *args
             .implementation
             .first()
-            .expect("a child measures one --impl");
-        let devices = args.devices.first().copied().unwrap_or(1);
-        (imp, devices)
+            .expect("a child measures one --impl")
     });
     let direct = match (runtime, child) {
         (Runtime::CudaDirect, _) => true,
-        (Runtime::Cuda, Some((imp, devices))) => {
+        (Runtime::Cuda, Some(imp)) => {
             let model = args.model.first().map_or("", String::as_str);
-            train::cuda_backend(runtime, model, imp, devices) == Some(train::CudaBackend::Direct)
+            train::cuda_backend(runtime, model, imp) == Some(train::CudaBackend::Direct)
         }
         _ => false,
     };
     #[cfg(feature = "distributed")]
-    if let Some((imp, devices)) = child
-        && devices > 1
+    if let Some(imp) = child
+        && args.devices.first().is_some_and(|&d| d > 1)
     {
         args.attention.apply();
         if direct {

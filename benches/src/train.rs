@@ -237,9 +237,7 @@ pub fn sweep(args: &Args, models: &[String], report: &mut Report) {
                     if let Some(experts) = args.experts {
                         name = format!("{name}, {} experts", experts.name());
                     }
-                    if let Some(backend) = args
-                        .runtime
-                        .and_then(|rt| cuda_backend(rt, model, imp, devices))
+                    if let Some(backend) = args.runtime.and_then(|rt| cuda_backend(rt, model, imp))
                     {
                         name = format!("{name}, {}", backend.name());
                     }
@@ -302,22 +300,17 @@ impl CudaBackend {
     }
 }
 
-/// The backend a Bastile row of `model` on `devices` GPUs trains on under
-/// `runtime`: with `--runtime cuda` the one `bastile finetune` picks
-/// (`CudaDirect` for a dense model on one GPU, Burn's `Cuda` for a model
-/// with experts or data-parallel); `None` for Burn's rows and off CUDA.
-pub fn cuda_backend(
-    runtime: crate::Runtime,
-    model: &str,
-    imp: TrainImpl,
-    devices: usize,
-) -> Option<CudaBackend> {
+/// The backend a Bastile row of `model` trains on under `runtime`: with
+/// `--runtime cuda` the one `bastile finetune` picks (`CudaDirect` for a
+/// dense model, on one GPU or several; Burn's `Cuda` for a model with
+/// experts); `None` for Burn's rows and off CUDA.
+pub fn cuda_backend(runtime: crate::Runtime, model: &str, imp: TrainImpl) -> Option<CudaBackend> {
     use crate::Runtime;
     if imp == TrainImpl::Burn {
         return None;
     }
     match runtime {
-        Runtime::Cuda if devices == 1 && !bastile_cli::device::model_routes_experts(model) => {
+        Runtime::Cuda if !bastile_cli::device::model_routes_experts(model) => {
             Some(CudaBackend::Direct)
         }
         Runtime::Cuda | Runtime::CudaFusion => Some(CudaBackend::Fusion),
@@ -1023,38 +1016,30 @@ mod tests {
 
     #[test]
     fn bastile_rows_train_on_the_backend_the_command_picks() {
-        let on = |runtime, model, imp, devices| cuda_backend(runtime, model, imp, devices);
-        let direct = Some(CudaBackend::Direct);
-        let fusion = Some(CudaBackend::Fusion);
-        // `--runtime cuda`: dense models on one GPU without the stream,
-        // experts and several GPUs over it, as `bastile finetune` runs them.
+        let (direct, fusion) = (Some(CudaBackend::Direct), Some(CudaBackend::Fusion));
+        let (bastile, kernels) = (TrainImpl::Bastile, TrainImpl::BastileKernels);
+        // `--runtime cuda`: dense models without the stream (on one GPU or
+        // several), experts over it, as `bastile finetune` runs them.
+        assert_eq!(cuda_backend(Runtime::Cuda, "qwen3-0.6b", bastile), direct);
+        assert_eq!(cuda_backend(Runtime::Cuda, "llama-3.2-1b", kernels), direct);
         assert_eq!(
-            on(Runtime::Cuda, "qwen3-0.6b", TrainImpl::Bastile, 1),
-            direct
-        );
-        assert_eq!(
-            on(Runtime::Cuda, "llama-3.2-1b", TrainImpl::BastileKernels, 1),
-            direct
-        );
-        assert_eq!(
-            on(Runtime::Cuda, "gpt-oss-20b-4l", TrainImpl::Bastile, 1),
-            fusion
-        );
-        assert_eq!(
-            on(Runtime::Cuda, "qwen3-1.7b", TrainImpl::Bastile, 2),
+            cuda_backend(Runtime::Cuda, "gpt-oss-20b-4l", bastile),
             fusion
         );
         // The other runtimes force theirs; Burn's rows name none.
         assert_eq!(
-            on(Runtime::CudaFusion, "qwen3-0.6b", TrainImpl::Bastile, 1),
+            cuda_backend(Runtime::CudaFusion, "qwen3-0.6b", bastile),
             fusion
         );
         assert_eq!(
-            on(Runtime::CudaDirect, "gpt-oss-20b-4l", TrainImpl::Bastile, 1),
+            cuda_backend(Runtime::CudaDirect, "gpt-oss-20b-4l", bastile),
             direct
         );
-        assert_eq!(on(Runtime::Cuda, "qwen3-0.6b", TrainImpl::Burn, 1), None);
-        assert_eq!(on(Runtime::Wgpu, "qwen3-0.6b", TrainImpl::Bastile, 1), None);
+        assert_eq!(
+            cuda_backend(Runtime::Cuda, "qwen3-0.6b", TrainImpl::Burn),
+            None
+        );
+        assert_eq!(cuda_backend(Runtime::Wgpu, "qwen3-0.6b", bastile), None);
     }
 
     #[test]

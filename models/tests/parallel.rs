@@ -208,22 +208,36 @@ fn workers_summing_gradients_train_as_one_worker_accumulating() {
             "wgpu",
         );
     }
-    // NCCL over the CUDA GPUs there are (one per worker).
+    // NCCL over the CUDA GPUs there are (one per worker), over Burn's
+    // fusion stream (models with experts) and without it (dense models).
     #[cfg(feature = "distributed")]
     if runtime_selected("cuda", true) {
-        use burn::tensor::backend::{Backend, Device, DeviceId};
-        type Cuda = bastile::Bastile<burn::backend::Cuda>;
-        let count = <Cuda as Backend>::device_count(0).min(3);
-        let devices: Vec<_> = (0..count)
-            .map(|k| Device::from_id(DeviceId::new(0, k as u16)))
-            .collect();
-        eprintln!("cuda: NCCL over {count} GPUs");
-        workers_train_as_one::<burn::backend::Autodiff<Cuda>>(
-            &devices,
-            |d| Collective::nccl(d).unwrap(),
-            "cuda (NCCL)",
-        );
+        nccl_workers_train_as_one::<bastile::Bastile<burn::backend::Cuda>>("cuda (NCCL)");
+        nccl_workers_train_as_one::<bastile::Bastile<bastile::CudaDirect>>("cuda direct (NCCL)");
     }
+}
+
+/// [`workers_train_as_one`] over NCCL, one worker on each CUDA GPU (up to
+/// three).
+#[cfg(feature = "distributed")]
+fn nccl_workers_train_as_one<X>(backend: &str)
+where
+    X: BastileBackend + burn::tensor::backend::distributed::DistributedBackend,
+    CausalLm<burn::backend::Autodiff<X>>:
+        AutodiffModule<burn::backend::Autodiff<X>> + Send + 'static,
+    MicroBatch<burn::backend::Autodiff<X>>: Send,
+{
+    use burn::tensor::backend::{Device, DeviceId};
+    let count = X::device_count(0).min(3);
+    let devices: Vec<X::Device> = (0..count)
+        .map(|k| Device::from_id(DeviceId::new(0, k as u16)))
+        .collect();
+    eprintln!("{backend}: NCCL over {count} GPUs");
+    workers_train_as_one::<burn::backend::Autodiff<X>>(
+        &devices,
+        |d| Collective::nccl(d).unwrap(),
+        backend,
+    );
 }
 
 /// A label out of range on worker 1 is the step's error, naming the
