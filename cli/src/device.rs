@@ -31,6 +31,9 @@ pub struct RunInfo {
     pub device: DeviceKind,
     /// Whether Bastile's fused kernels are in use.
     pub bastile: bool,
+    /// On CUDA, the Burn backend the model runs on (`bastile::CudaDirect`
+    /// or `burn::backend::Cuda`), which the run's description names.
+    pub cuda_backend: Option<&'static str>,
 }
 
 impl RunInfo {
@@ -57,7 +60,10 @@ impl RunInfo {
         } else {
             "Burn's own ops"
         };
-        format!("{device}, {ops}")
+        match self.cuda_backend {
+            Some(backend) => format!("{device} ({backend}), {ops}"),
+            None => format!("{device}, {ops}"),
+        }
     }
 }
 
@@ -105,6 +111,7 @@ pub fn dispatch<T: Task>(kind: DeviceKind, bastile: bool, task: T) -> Result<T::
     let info = RunInfo {
         device: kind,
         bastile: bastile && kind != DeviceKind::Cpu,
+        cuda_backend: None,
     };
     if bastile && kind == DeviceKind::Cpu {
         eprintln!(
@@ -164,22 +171,24 @@ fn cuda_data_parallel<T: Task>(
     let devices: Vec<<Cuda as burn::tensor::backend::BackendTypes>::Device> = (0..count)
         .map(|k| Device::from_id(DeviceId::new(0, k as u16)))
         .collect();
-    let info = RunInfo {
+    let info = |backend| RunInfo {
         device: DeviceKind::Cuda,
         bastile,
+        cuda_backend: Some(backend),
     };
     if bastile && !routes_experts(&task) {
         // As on one GPU: a dense model's workers queue their steps faster
         // without the fusion stream (`benches/results/sweep-h200/`: 2 ×
         // H200, 85.5-86.2% scaling efficiency against 83.0-84.8%).
         let collective = Collective::nccl(&devices)?;
+        let info = info(DIRECT);
         task.run_data_parallel::<Autodiff<Bastile<bastile::CudaDirect>>>(devices, collective, info)
     } else if bastile {
         let collective = Collective::nccl(&devices)?;
-        task.run_data_parallel::<Autodiff<Bastile<Cuda>>>(devices, collective, info)
+        task.run_data_parallel::<Autodiff<Bastile<Cuda>>>(devices, collective, info(FUSION))
     } else {
         let collective = Collective::nccl(&devices)?;
-        task.run_data_parallel::<Autodiff<Cuda>>(devices, collective, info)
+        task.run_data_parallel::<Autodiff<Cuda>>(devices, collective, info(FUSION))
     }
 }
 
@@ -199,19 +208,29 @@ fn cuda<T: Task>(bastile: bool, task: T, info: RunInfo) -> Result<T::Output, Cli
             "--device cuda: no CUDA GPU or driver found on this machine".into(),
         ));
     }
+    let on = |backend| RunInfo {
+        cuda_backend: Some(backend),
+        ..info
+    };
     if bastile && !routes_experts(&task) {
         // A dense model without Burn's fusion stream: Bastile's kernels
         // fuse what it would, and a step queues faster without its per-op
         // bookkeeping (`benches/results/direct-cuda-h200/`).
-        task.run::<Autodiff<Bastile<bastile::CudaDirect>>>(Default::default(), info)
+        task.run::<Autodiff<Bastile<bastile::CudaDirect>>>(Default::default(), on(DIRECT))
     } else if bastile {
         // A mixture of experts keeps the stream: its step measured faster
         // with it.
-        task.run::<Autodiff<Bastile<Cuda>>>(Default::default(), info)
+        task.run::<Autodiff<Bastile<Cuda>>>(Default::default(), on(FUSION))
     } else {
-        task.run::<Autodiff<Cuda>>(Default::default(), info)
+        task.run::<Autodiff<Cuda>>(Default::default(), on(FUSION))
     }
 }
+
+/// The CUDA backends by the names a run's description gives them.
+#[cfg(feature = "cuda")]
+const DIRECT: &str = "bastile::CudaDirect";
+#[cfg(feature = "cuda")]
+const FUSION: &str = "burn::backend::Cuda";
 
 /// Whether any of the task's models routes its tokens to experts (see
 /// [`model_routes_experts`]).
@@ -303,6 +322,25 @@ mod tests {
         {
             Ok(())
         }
+    }
+
+    #[test]
+    fn a_run_names_its_device_its_ops_and_on_cuda_its_backend() {
+        let cuda = RunInfo {
+            device: DeviceKind::Cuda,
+            bastile: true,
+            cuda_backend: Some("bastile::CudaDirect"),
+        };
+        assert_eq!(
+            cuda.describe(),
+            "CUDA (bastile::CudaDirect), Bastile's fused kernels"
+        );
+        let cpu = RunInfo {
+            device: DeviceKind::Cpu,
+            bastile: false,
+            cuda_backend: None,
+        };
+        assert_eq!(cpu.describe(), "CPU, Burn's own ops");
     }
 
     #[test]
