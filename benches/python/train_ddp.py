@@ -93,7 +93,7 @@ def main():
             "attention": model.config._attn_implementation,
             "ms_per_step": ms,
             "tokens_per_s": world * args.batch * args.seq / (ms / 1e3),
-            "step_ms_spread": [min(times) * 1e3, max(times) * 1e3],
+            "ms_range": [min(times) * 1e3, max(times) * 1e3],
             **closing_fields(first_step_s),
         }), flush=True)
     dist.destroy_process_group()

@@ -15,7 +15,7 @@ checkpointing (`model.gradient_checkpointing_enable()`, as HF Trainer's
 `gradient_checkpointing=True` does): every decoder layer recomputed in the
 backward pass.
 
-Each row reports the median step time, the first step's time (compilation
+Each row reports the median step time and its range, the first step's time (compilation
 included), the peak bytes in use during the timed steps
 (`max_memory_allocated`) and the pool's peak reservation. Each
 (implementation, batch, seq) runs in a fresh subprocess so its peak memory
@@ -175,6 +175,8 @@ def one(model_name, impl, batch, seq, steps, attn, lora=None, checkpointing=Fals
         # How a mixture of experts ran (HF's default for the model).
         "experts": getattr(model.config, "_experts_implementation", None),
         "ms_per_step": ms,
+        # The fastest and the slowest timed step: the median's spread.
+        "ms_range": [min(times) * 1e3, max(times) * 1e3],
         "tokens_per_s": batch * seq / (ms / 1e3),
         **closing_fields(first_step_s),
     }

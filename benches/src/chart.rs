@@ -412,6 +412,7 @@ pub(crate) mod tests {
             dtype: "bf16".into(),
             implementation: imp.into(),
             ms_per_step: ms,
+            ms_range: None,
             tokens_per_s: ms.map(|ms| seq as f64 / ms * 1e3),
             peak_mib: ms.map(|_| seq as f64),
             in_use_mib: None,

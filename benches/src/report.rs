@@ -285,7 +285,7 @@ impl Report {
     /// memory in use and reserved, and the host's share of a step.
     fn train_markdown(&self) -> String {
         let mut s = String::from(
-            "\nTraining step (random weights, AdamW, one micro-batch; median of the timed steps; × HF, × Liger, × compile, × burn: tokens/s against HF transformers (its default attention), HF + Liger-Kernel, HF under torch.compile and Burn at the same shape; in use: peak bytes in use during a step (PyTorch's max_memory_allocated; CubeCL's bytes in use, sampled); reserved: the allocator's pool; first step: wall time of step 0, compilation and tuning included; start: from the process's start to the end of step 0, cold with empty caches (compiled kernels, the driver's, autotune results), warm with the caches a cold run left; host: time to queue a step):\n\n",
+            "\nTraining step (random weights, AdamW, one micro-batch; ms/step: median of the timed steps, the fastest and the slowest in brackets; × HF, × Liger, × compile, × burn: tokens/s against HF transformers (its default attention), HF + Liger-Kernel, HF under torch.compile and Burn at the same shape; in use: peak bytes in use during a step (PyTorch's max_memory_allocated; CubeCL's bytes in use, sampled); reserved: the allocator's pool; first step: wall time of step 0, compilation and tuning included; start: from the process's start to the end of step 0, cold with empty caches (compiled kernels, the driver's, autotune results), warm with the caches a cold run left; host: time to queue a step):\n\n",
         );
         s += "| model | batch | seq | dtype | implementation | ms/step | tokens/s | × HF | × Liger | × compile | × burn | in use MiB | reserved MiB | first step s | start s, cold / warm | host ms |\n";
         s += "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
@@ -614,7 +614,10 @@ fn step_ms(r: &crate::train::TrainRow) -> String {
                 .map_or("", crate::train::failure_label)
                 .to_string()
         },
-        |v| format!("{v:.1}"),
+        |v| match r.ms_range {
+            Some((lo, hi)) => format!("{v:.1} ({lo:.1}–{hi:.1})"),
+            None => format!("{v:.1}"),
+        },
     )
 }
 
@@ -657,6 +660,16 @@ fn same_run(a: &crate::train::TrainRow, b: &crate::train::TrainRow) -> bool {
 mod tests {
     use super::*;
     use crate::chart::tests::row;
+
+    #[test]
+    fn a_step_time_shows_its_range_when_measured() {
+        let mut r = row("bastile", 1024, Some(47.04), None);
+        assert_eq!(step_ms(&r), "47.0");
+        r.ms_range = Some((44.56, 51.26));
+        assert_eq!(step_ms(&r), "47.0 (44.6–51.3)");
+        let failed = row("burn", 1024, None, Some("timed out after 10 s"));
+        assert_eq!(step_ms(&failed), "timed out");
+    }
 
     #[test]
     fn starts_read_cold_then_warm() {

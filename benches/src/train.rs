@@ -66,6 +66,9 @@ pub struct TrainRow {
     pub implementation: String,
     /// Median over the timed steps; `None` when the run failed.
     pub ms_per_step: Option<f64>,
+    /// The fastest and the slowest timed step, ms: the median's spread.
+    #[serde(default)]
+    pub ms_range: Option<(f64, f64)>,
     pub tokens_per_s: Option<f64>,
     /// Reserved device memory (the allocator's pool) after the timed steps.
     pub peak_mib: Option<f64>,
@@ -141,6 +144,7 @@ impl TrainRow {
             dtype: dtype.into(),
             implementation: imp.name().into(),
             ms_per_step: None,
+            ms_range: None,
             tokens_per_s: None,
             peak_mib: None,
             in_use_mib: None,
@@ -878,6 +882,9 @@ where
         }
     }
     let total: f64 = times.iter().sum();
+    let range = times
+        .iter()
+        .fold((f64::INFINITY, 0f64), |(lo, hi), &t| (lo.min(t), hi.max(t)));
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
@@ -910,6 +917,7 @@ where
         dtype: crate::dtype_name(dtype).into(),
         implementation: imp.name().into(),
         ms_per_step: Some(secs * 1e3),
+        ms_range: Some((range.0 * 1e3, range.1 * 1e3)),
         // Full rows: the median step's; a data set's steps differ in size,
         // so its trained (non-padding) tokens over the timed steps' time.
         tokens_per_s: Some(match layout {
