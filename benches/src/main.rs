@@ -34,8 +34,8 @@ use clap::{Parser, ValueEnum};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Runtime {
     /// CUDA on the backends `bastile finetune` trains on: Bastile's rows
-    /// of a dense model on one GPU over `bastile::CudaDirect`, those of a
-    /// model with experts or on several GPUs over `burn::backend::Cuda`
+    /// of a dense model over `bastile::CudaDirect` (on one GPU or
+    /// several), those of a model with experts over `burn::backend::Cuda`
     /// (Burn's fusion stream), Burn's rows over `burn::backend::Cuda`.
     /// Each Bastile row names its backend.
     Cuda,
