@@ -18,7 +18,7 @@ use plotters::prelude::*;
 use plotters::style::FontStyle;
 
 use crate::report::Report;
-use crate::train::CudaBackend;
+use bastile_cli::device::CudaBackend;
 
 /// One line of a panel.
 #[derive(Clone, Debug, PartialEq)]

@@ -360,7 +360,8 @@ fn run_cuda(args: &Args, runtime: Runtime) -> report::Report {
         (Runtime::CudaDirect, _) => true,
         (Runtime::Cuda, Some(imp)) => {
             let model = args.model.first().map_or("", String::as_str);
-            train::cuda_backend(runtime, model, imp) == Some(train::CudaBackend::Direct)
+            train::cuda_backend(runtime, model, imp)
+                == Some(bastile_cli::device::CudaBackend::Direct)
         }
         _ => false,
     };

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use bastile::launch_failure::{allocation_failure, out_of_memory_message};
 use bastile::{Bastile, BastileBackend, Patches};
+use bastile_cli::device::{CudaBackend, model_routes_experts};
 use bastile_cli::warmup::random_batch;
 use bastile_models::precompile::{self, Part, Precompile};
 use bastile_models::{
@@ -284,26 +285,6 @@ pub fn sweep(args: &Args, models: &[String], report: &mut Report) {
     }
 }
 
-/// The CUDA backend a Bastile row trains on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CudaBackend {
-    /// `bastile::CudaDirect`: Burn's `CubeBackend` without the fusion
-    /// stream.
-    Direct,
-    /// `burn::backend::Cuda`: Burn's fusion stream over `CubeBackend`.
-    Fusion,
-}
-
-impl CudaBackend {
-    /// The name a row carries.
-    pub fn name(self) -> &'static str {
-        match self {
-            CudaBackend::Direct => "CudaDirect",
-            CudaBackend::Fusion => "Cuda",
-        }
-    }
-}
-
 /// The backend a Bastile row of `model` trains on under `runtime`: with
 /// `--runtime cuda` the one `bastile finetune` picks (`CudaDirect` for a
 /// dense model, on one GPU or several; Burn's `Cuda` for a model with
@@ -314,10 +295,8 @@ pub fn cuda_backend(runtime: crate::Runtime, model: &str, imp: TrainImpl) -> Opt
         return None;
     }
     match runtime {
-        Runtime::Cuda if !bastile_cli::device::model_routes_experts(model) => {
-            Some(CudaBackend::Direct)
-        }
-        Runtime::Cuda | Runtime::CudaFusion => Some(CudaBackend::Fusion),
+        Runtime::Cuda => Some(CudaBackend::for_bastile(model_routes_experts(model))),
+        Runtime::CudaFusion => Some(CudaBackend::Fusion),
         Runtime::CudaDirect => Some(CudaBackend::Direct),
         Runtime::Wgpu => None,
     }

@@ -31,9 +31,9 @@ pub struct RunInfo {
     pub device: DeviceKind,
     /// Whether Bastile's fused kernels are in use.
     pub bastile: bool,
-    /// On CUDA, the Burn backend the model runs on (`bastile::CudaDirect`
-    /// or `burn::backend::Cuda`), which the run's description names.
-    pub cuda_backend: Option<&'static str>,
+    /// On CUDA, the Burn backend the model runs on, which the run's
+    /// description names.
+    pub cuda_backend: Option<CudaBackend>,
 }
 
 impl RunInfo {
@@ -61,8 +61,52 @@ impl RunInfo {
             "Burn's own ops"
         };
         match self.cuda_backend {
-            Some(backend) => format!("{device} ({backend}), {ops}"),
+            Some(backend) => format!("{device} ({}), {ops}", backend.type_name()),
             None => format!("{device}, {ops}"),
+        }
+    }
+}
+
+/// The Burn backend a model trains on over CUDA.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CudaBackend {
+    /// `bastile::CudaDirect`, Burn's `CubeBackend` without the fusion
+    /// stream: Bastile's kernels fuse what the stream would, and a dense
+    /// model's step queues faster without its per-op bookkeeping, on one
+    /// GPU (`benches/results/direct-cuda-h200/`) and data-parallel
+    /// (`benches/results/sweep-h200/`: 2 × H200, 85.5-86.2% scaling
+    /// efficiency against 83.0-84.8%).
+    Direct,
+    /// `burn::backend::Cuda`, Burn's fusion stream over `CubeBackend`: a
+    /// mixture of experts' step measured faster with it, and Burn's own ops
+    /// (the baseline) run on it.
+    Fusion,
+}
+
+impl CudaBackend {
+    /// The backend for Bastile's kernels, given whether the models route
+    /// their tokens to experts ([`routes_experts`]).
+    pub fn for_bastile(routes_experts: bool) -> Self {
+        if routes_experts {
+            CudaBackend::Fusion
+        } else {
+            CudaBackend::Direct
+        }
+    }
+
+    /// The short name a benchmark row carries.
+    pub fn name(self) -> &'static str {
+        match self {
+            CudaBackend::Direct => "CudaDirect",
+            CudaBackend::Fusion => "Cuda",
+        }
+    }
+
+    /// The Rust type, as a run's description names it.
+    pub fn type_name(self) -> &'static str {
+        match self {
+            CudaBackend::Direct => "bastile::CudaDirect",
+            CudaBackend::Fusion => "burn::backend::Cuda",
         }
     }
 }
@@ -171,24 +215,27 @@ fn cuda_data_parallel<T: Task>(
     let devices: Vec<<Cuda as burn::tensor::backend::BackendTypes>::Device> = (0..count)
         .map(|k| Device::from_id(DeviceId::new(0, k as u16)))
         .collect();
-    let info = |backend| RunInfo {
+    let backend = cuda_backend(bastile, &task);
+    let info = RunInfo {
         device: DeviceKind::Cuda,
         bastile,
         cuda_backend: Some(backend),
     };
-    if bastile && !routes_experts(&task) {
-        // As on one GPU: a dense model's workers queue their steps faster
-        // without the fusion stream (`benches/results/sweep-h200/`: 2 ×
-        // H200, 85.5-86.2% scaling efficiency against 83.0-84.8%).
-        let collective = Collective::nccl(&devices)?;
-        let info = info(DIRECT);
-        task.run_data_parallel::<Autodiff<Bastile<bastile::CudaDirect>>>(devices, collective, info)
-    } else if bastile {
-        let collective = Collective::nccl(&devices)?;
-        task.run_data_parallel::<Autodiff<Bastile<Cuda>>>(devices, collective, info(FUSION))
-    } else {
-        let collective = Collective::nccl(&devices)?;
-        task.run_data_parallel::<Autodiff<Cuda>>(devices, collective, info(FUSION))
+    match (bastile, backend) {
+        (true, CudaBackend::Direct) => {
+            let collective = Collective::nccl(&devices)?;
+            task.run_data_parallel::<Autodiff<Bastile<bastile::CudaDirect>>>(
+                devices, collective, info,
+            )
+        }
+        (true, CudaBackend::Fusion) => {
+            let collective = Collective::nccl(&devices)?;
+            task.run_data_parallel::<Autodiff<Bastile<Cuda>>>(devices, collective, info)
+        }
+        (false, _) => {
+            let collective = Collective::nccl(&devices)?;
+            task.run_data_parallel::<Autodiff<Cuda>>(devices, collective, info)
+        }
     }
 }
 
@@ -208,29 +255,33 @@ fn cuda<T: Task>(bastile: bool, task: T, info: RunInfo) -> Result<T::Output, Cli
             "--device cuda: no CUDA GPU or driver found on this machine".into(),
         ));
     }
-    let on = |backend| RunInfo {
+    let backend = cuda_backend(bastile, &task);
+    let info = RunInfo {
         cuda_backend: Some(backend),
         ..info
     };
-    if bastile && !routes_experts(&task) {
-        // A dense model without Burn's fusion stream: Bastile's kernels
-        // fuse what it would, and a step queues faster without its per-op
-        // bookkeeping (`benches/results/direct-cuda-h200/`).
-        task.run::<Autodiff<Bastile<bastile::CudaDirect>>>(Default::default(), on(DIRECT))
-    } else if bastile {
-        // A mixture of experts keeps the stream: its step measured faster
-        // with it.
-        task.run::<Autodiff<Bastile<Cuda>>>(Default::default(), on(FUSION))
-    } else {
-        task.run::<Autodiff<Cuda>>(Default::default(), on(FUSION))
+    match (bastile, backend) {
+        (true, CudaBackend::Direct) => {
+            task.run::<Autodiff<Bastile<bastile::CudaDirect>>>(Default::default(), info)
+        }
+        (true, CudaBackend::Fusion) => {
+            task.run::<Autodiff<Bastile<Cuda>>>(Default::default(), info)
+        }
+        (false, _) => task.run::<Autodiff<Cuda>>(Default::default(), info),
     }
 }
 
-/// The CUDA backends by the names a run's description gives them.
+/// The backend `task` runs on over CUDA: Bastile's kernels on the one its
+/// models take ([`CudaBackend::for_bastile`]), Burn's own ops on the fusion
+/// stream (their configs are then not read).
 #[cfg(feature = "cuda")]
-const DIRECT: &str = "bastile::CudaDirect";
-#[cfg(feature = "cuda")]
-const FUSION: &str = "burn::backend::Cuda";
+fn cuda_backend<T: Task>(bastile: bool, task: &T) -> CudaBackend {
+    if bastile {
+        CudaBackend::for_bastile(routes_experts(task))
+    } else {
+        CudaBackend::Fusion
+    }
+}
 
 /// Whether any of the task's models routes its tokens to experts (see
 /// [`model_routes_experts`]).
@@ -241,10 +292,10 @@ pub fn routes_experts<T: Task>(task: &T) -> bool {
 }
 
 /// Whether `model` (a preset name or a directory) routes its tokens to
-/// experts, as its resolved config says (GPT-OSS): on CUDA such a model
-/// trains over Burn's fusion stream, a dense one over
-/// `bastile::CudaDirect`. A model whose config cannot be read or resolved
-/// counts as dense: the task says why when it loads the model.
+/// experts, as its resolved config says (GPT-OSS): on CUDA it decides the
+/// backend ([`CudaBackend::for_bastile`]). A model whose config cannot be
+/// read or resolved counts as dense: the task says why when it loads the
+/// model.
 pub fn model_routes_experts(model: &str) -> bool {
     crate::source::ModelSource::parse(model)
         .and_then(|source| Ok(source.config()?.resolve()?))
@@ -329,7 +380,7 @@ mod tests {
         let cuda = RunInfo {
             device: DeviceKind::Cuda,
             bastile: true,
-            cuda_backend: Some("bastile::CudaDirect"),
+            cuda_backend: Some(CudaBackend::Direct),
         };
         assert_eq!(
             cuda.describe(),
