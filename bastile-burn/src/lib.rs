@@ -115,6 +115,17 @@ pub fn allow_tf32(allow: bool) {
     let _ = allow;
 }
 
+/// The loaded cuDNN's version (`major·10000 + minor·100 + patch`), `None`
+/// without the `cuda` feature or when `libcudnn.so.9` is not found. Where
+/// it is loaded, the fused attention runs on cuDNN's kernels for the
+/// problems they take ([`AttentionKernels::Auto`]).
+pub fn cudnn_version() -> Option<usize> {
+    #[cfg(feature = "cuda")]
+    return bastile_cubecl::cudnn::version();
+    #[cfg(not(feature = "cuda"))]
+    None
+}
+
 /// Orders cuBLASLt matmuls by host synchronization around a stream of
 /// their own instead of enqueuing them on CubeCL's stream (the default when
 /// that stream can be observed, which needs CUPTI). Slower; for comparison

@@ -290,10 +290,16 @@ backend_test! {
         // Both kernel families; blocks of 8 query rows split every case
         // into several blocks of the matrix-product path, with key ranges
         // cut by the causal and window masks.
-        let kernels = [
+        let mut kernels = vec![
             AttentionKernels::Tiled,
             AttentionKernels::MatrixProducts { block_rows: 8 },
         ];
+        // On CUDA also the default (cuDNN's fused attention for the cases
+        // its graphs take, where it is loaded) and Bastile's own
+        // tensor-core kernels.
+        if name.starts_with("cuda") {
+            kernels.extend([AttentionKernels::Auto, AttentionKernels::TensorCores]);
+        }
         for (family, k) in kernels.into_iter().enumerate() {
             set_attention_kernels(k);
             for (d, &dtype) in dtypes.iter().enumerate() {

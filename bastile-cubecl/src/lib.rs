@@ -12,6 +12,10 @@ pub mod combine;
 pub mod cross_entropy;
 #[cfg(feature = "cuda")]
 pub mod cublaslt;
+#[cfg(feature = "cuda")]
+mod cuda_stream;
+#[cfg(feature = "cuda")]
+pub mod cudnn;
 pub mod dtype;
 pub mod elementwise;
 pub mod embedding;

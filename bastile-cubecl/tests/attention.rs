@@ -133,6 +133,9 @@ enum Path<'a> {
     Tiled(Option<&'a AttnLaunch>),
     /// The tensor-core kernels: forward and backward configurations.
     Mma(Option<(&'a MmaLaunch, &'a MmaLaunch)>),
+    /// cuDNN's fused attention (CUDA only).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Cudnn,
 }
 
 fn check<R: Runtime>(
@@ -207,8 +210,10 @@ fn check<R: Runtime>(
         Path::Tiled(None) => attention::forward(client, device, &problem, &fwd).unwrap(),
         Path::Mma(Some((cfg, _))) => mma::forward_with(client, &problem, &fwd, cfg).unwrap(),
         Path::Mma(None) => mma::forward(client, device, &problem, &fwd).unwrap(),
+        Path::Cudnn => cudnn::forward(client, device, &problem, &fwd),
     }
     let out = download(client, dtype, fwd.out.handle.clone());
+    cudnn::no_errors(&what);
     assert_close(
         &format!("out {what}"),
         &out,
@@ -247,6 +252,7 @@ fn check<R: Runtime>(
         Path::Tiled(None) => attention::backward(client, device, &problem, &bwd).unwrap(),
         Path::Mma(Some((_, cfg))) => mma::backward_with(client, &problem, &bwd, cfg).unwrap(),
         Path::Mma(None) => mma::backward(client, device, &problem, &bwd).unwrap(),
+        Path::Cudnn => cudnn::backward(client, device, &problem, &bwd),
     }
     // The backward reads the kernel's own output (rounded to the dtype), and
     // so does the reference's Δ.
@@ -258,6 +264,7 @@ fn check<R: Runtime>(
         ("dv", &bwd.dv, &grads_ref.dv),
     ] {
         let got = download(client, dtype, h.handle.clone());
+        cudnn::no_errors(&what);
         if expected.iter().all(|e| e.abs() < 1e-12) {
             // A gradient that is zero (one visible key: dS = P·(dP − Δ)
             // with P = 1 and dP = Δ) has no scale of its own to be
@@ -704,4 +711,141 @@ fn attention_tensor_core_candidates_match_reference() {
 #[test]
 fn attention_tensor_core_options_match_reference() {
     for_each_runtime(&TensorCoreOptions);
+}
+
+/// Launching cuDNN's attention from the generic checks: the CUDA client
+/// and device behind `R`, and the errors met on CubeCL's device thread.
+#[cfg(feature = "cuda")]
+mod cudnn {
+    use std::any::Any;
+    use std::sync::Mutex;
+
+    use bastile_cubecl::attention::{
+        AttentionBackwardBuffers, AttentionForwardBuffers, AttentionProblem, cudnn,
+    };
+    use cubecl::cuda::{CudaDevice, CudaRuntime};
+    use cubecl::prelude::*;
+
+    static ERRORS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+    fn record(e: bastile_cubecl::KernelError) {
+        ERRORS.lock().unwrap().push(e.to_string());
+    }
+
+    pub fn cuda<'a, R: Runtime>(
+        client: &'a ComputeClient<R>,
+        device: &R::Device,
+    ) -> Option<(&'a ComputeClient<CudaRuntime>, usize)> {
+        let index = (device as &dyn Any).downcast_ref::<CudaDevice>()?.index;
+        let client = (client as &dyn Any).downcast_ref::<ComputeClient<CudaRuntime>>()?;
+        Some((client, index))
+    }
+
+    pub fn forward<R: Runtime>(
+        client: &ComputeClient<R>,
+        device: &R::Device,
+        problem: &AttentionProblem,
+        buffers: &AttentionForwardBuffers,
+    ) {
+        let (client, index) = cuda(client, device).expect("cuDNN checks run on CUDA");
+        cudnn::forward(client, index, problem, buffers, record).unwrap();
+    }
+
+    pub fn backward<R: Runtime>(
+        client: &ComputeClient<R>,
+        device: &R::Device,
+        problem: &AttentionProblem,
+        buffers: &AttentionBackwardBuffers,
+    ) {
+        let (client, index) = cuda(client, device).expect("cuDNN checks run on CUDA");
+        cudnn::backward(client, index, problem, buffers, record).unwrap();
+    }
+
+    /// Panics with the errors cuDNN's calls met since the last check.
+    pub fn no_errors(what: &str) {
+        let errors = std::mem::take(&mut *ERRORS.lock().unwrap());
+        assert!(errors.is_empty(), "cuDNN {what}: {errors:?}");
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod cudnn {
+    use bastile_cubecl::attention::{
+        AttentionBackwardBuffers, AttentionForwardBuffers, AttentionProblem,
+    };
+    use cubecl::prelude::*;
+
+    pub fn forward<R: Runtime>(
+        _: &ComputeClient<R>,
+        _: &R::Device,
+        _: &AttentionProblem,
+        _: &AttentionForwardBuffers,
+    ) {
+        unreachable!("cuDNN checks run on CUDA");
+    }
+
+    pub fn backward<R: Runtime>(
+        _: &ComputeClient<R>,
+        _: &R::Device,
+        _: &AttentionProblem,
+        _: &AttentionBackwardBuffers,
+    ) {
+        unreachable!("cuDNN checks run on CUDA");
+    }
+
+    pub fn no_errors(_: &str) {}
+}
+
+/// cuDNN's fused attention, where it is loaded, against the f64 reference:
+/// every option case its graphs take, head dims 64 to 128 and odd
+/// lengths up to 4097, GQA ratios 1 to 8, causal and not, strided
+/// layouts, in each half dtype. Elsewhere it must refuse.
+#[cfg(feature = "cuda")]
+struct Cudnn;
+
+#[cfg(feature = "cuda")]
+impl RuntimeTest for Cudnn {
+    fn run<R: Runtime>(&self, device: &R::Device, runtime: &str, dtypes: &[FloatDtype]) {
+        use bastile_cubecl::attention::cudnn as fused;
+        let client = R::client(device);
+        let Some((_, index)) = cudnn::cuda(&client, device) else {
+            return;
+        };
+        if !bastile_cubecl::cudnn::available(index) {
+            eprintln!("{runtime}: cuDNN is not loaded; its attention is not checked");
+            return;
+        }
+        let mut cases: Vec<Case> = option_cases()
+            .into_iter()
+            .filter(|c| fused::takes(&problem_of(c, FloatDtype::BF16)))
+            .collect();
+        for (heads, kv_heads, seq, d) in [(4, 4, 100, 64), (4, 2, 63, 80), (2, 1, 1000, 96)] {
+            cases.push(Case::new(1, heads, kv_heads, seq, d));
+        }
+        cases.push(Case::new(1, 4, 1, 4097, 64));
+        assert!(cases.len() >= 10, "{cases:?}");
+        let mut rng = Rng::fresh();
+        for dtype in supported_dtypes(&client, dtypes)
+            .into_iter()
+            .filter(|d| *d != FloatDtype::F32)
+        {
+            for case in &cases {
+                check(&client, device, case, dtype, Path::Cudnn, &mut rng);
+            }
+        }
+        // What the graphs do not express is refused before any launch.
+        let mut window = Case::new(1, 2, 1, 64, 64);
+        window.window = Some(8);
+        assert!(!fused::takes(&problem_of(&window, FloatDtype::BF16)));
+        assert!(!fused::takes(&problem_of(
+            &Case::new(1, 2, 1, 64, 64),
+            FloatDtype::F32
+        )));
+    }
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn attention_cudnn_matches_reference() {
+    for_each_runtime(&Cudnn);
 }

@@ -75,6 +75,8 @@ pub enum OpName {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum AttentionArg {
     Auto,
+    /// Bastile's own tensor-core kernels, never cuDNN's.
+    TensorCores,
     Tiled,
     Products,
 }
@@ -84,6 +86,7 @@ impl AttentionArg {
     pub fn apply(self) {
         bastile::set_attention_kernels(match self {
             Self::Auto => bastile::AttentionKernels::Auto,
+            Self::TensorCores => bastile::AttentionKernels::TensorCores,
             Self::Tiled => bastile::AttentionKernels::Tiled,
             Self::Products => bastile::AttentionKernels::MatrixProducts { block_rows: 0 },
         });
@@ -413,6 +416,17 @@ where
         copy::measure_copy_bandwidth::<R>(&device, args.tiny, args.samples)
     };
     let mut report = report::Report::new(runtime, &B::name(&device), args.tiny, copy_gbs);
+    let cuda = R::name(&R::client(&device)) == "cuda";
+    if let (true, AttentionArg::Auto, Some(v)) = (cuda, args.attention, bastile::cudnn_version()) {
+        report.notes.push(format!(
+            "Bastile's attention ran on cuDNN {}.{}.{}'s fused kernels wherever they take the \
+             problem (f16/bf16 without a sliding window, sinks, key lengths or documents); \
+             `--attention tensor-cores` runs Bastile's own kernels instead.",
+            v / 10000,
+            v / 100 % 100,
+            v % 100
+        ));
+    }
     if kernels {
         progress::log(format!(
             "device copy bandwidth: {copy_gbs:.1} GB/s (read + write)"

@@ -537,6 +537,7 @@ fn out_of_memory(line: &str) -> Option<String> {
 fn attention_name(args: &Args) -> &'static str {
     match args.attention {
         crate::AttentionArg::Auto => "auto",
+        crate::AttentionArg::TensorCores => "tensor-cores",
         crate::AttentionArg::Tiled => "tiled",
         crate::AttentionArg::Products => "products",
     }

@@ -29,6 +29,8 @@
 
 mod backward;
 mod blocks;
+#[cfg(feature = "cuda")]
+pub mod cudnn;
 mod forward;
 pub mod mma;
 mod tile;

@@ -4,7 +4,6 @@
 //! once) and each problem's descriptors and algorithm.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys::cublasLtHandle_t;
@@ -13,6 +12,7 @@ use cudarc::driver::sys::{CUcontext, CUdeviceptr, CUstream};
 
 use super::algo::{AlgoKey, Prepared};
 use crate::KernelError;
+use crate::cuda_stream::PerDevice;
 
 /// 32 MiB: what NVIDIA recommends for Hopper's cuBLASLt kernels.
 pub const WORKSPACE_BYTES: usize = 32 << 20;
@@ -43,16 +43,9 @@ impl DeviceState {
                 "libcublasLt was not found (add the CUDA libraries to LD_LIBRARY_PATH)".into(),
             ));
         }
-        drv::init().map_err(|e| err("driver init", &e))?;
-        let device = drv::device::get(index as i32).map_err(|e| err("device", &e))?;
-        // SAFETY: `device` is valid; the primary context is the one CubeCL
-        // uses, retained once more for this process's lifetime.
-        let ctx = unsafe { drv::primary_ctx::retain(device) }.map_err(|e| err("context", &e))?;
-        // SAFETY: `ctx` was just retained.
-        unsafe { drv::ctx::set_current(ctx) }.map_err(|e| err("context", &e))?;
+        let (ctx, stream) =
+            crate::cuda_stream::context_and_stream(index).map_err(|e| err("CUDA", &e))?;
         let handle = lt::create_handle().map_err(|e| err("handle", &e))?;
-        let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking)
-            .map_err(|e| err("stream", &e))?;
         Ok(Self {
             ctx,
             handle,
@@ -80,35 +73,17 @@ impl DeviceState {
 
     /// Makes this device's context current on the calling thread.
     pub fn make_current(&self) -> Result<(), KernelError> {
-        // SAFETY: `ctx` is retained for the process's lifetime.
-        unsafe { drv::ctx::set_current(self.ctx) }
-            .map_err(|e| KernelError::Launch(format!("cuCtxSetCurrent: {e:?}")))
+        crate::cuda_stream::make_current(self.ctx)
     }
 }
 
-/// A device's state, created on first use; `Err` remembers why the device
-/// cannot use cuBLASLt so the check is not repeated.
-type Slot = Arc<Mutex<Option<Result<DeviceState, KernelError>>>>;
-
-/// Per device ordinal. Each device has a lock of its own: data-parallel
-/// workers queue their products on their own devices at once.
-static DEVICES: Mutex<Vec<Slot>> = Mutex::new(Vec::new());
+/// Per device ordinal, created on first use.
+static DEVICES: PerDevice<DeviceState> = PerDevice::new();
 
 /// Runs `f` with the device's state, creating it on first use.
 pub fn with_device<T>(
     index: usize,
     f: impl FnOnce(&mut DeviceState) -> Result<T, KernelError>,
 ) -> Result<T, KernelError> {
-    let slot = {
-        let mut devices = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
-        if devices.len() <= index {
-            devices.resize_with(index + 1, Slot::default);
-        }
-        devices[index].clone()
-    };
-    let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
-    match slot.get_or_insert_with(|| DeviceState::new(index)) {
-        Ok(state) => f(state),
-        Err(e) => Err(e.clone()),
-    }
+    DEVICES.with(index, DeviceState::new, f)
 }

@@ -7,13 +7,11 @@
 //! workspace and each problem's descriptors and algorithm are kept per
 //! device (`device`); for short products the algorithm is the fastest of
 //! the heuristic's candidates on the problem's first call (`tune`).
-//! `order` enqueues the calls on CubeCL's own stream when it can observe
-//! it, else orders them by host synchronization.
+//! [`crate::cuda_stream`] enqueues the calls on CubeCL's own stream when it
+//! can observe it, else orders them by host synchronization.
 
 mod algo;
 mod device;
-mod order;
-mod stream_probe;
 mod tune;
 
 use std::collections::hash_map::Entry;
@@ -32,11 +30,11 @@ use cudarc::driver::sys::CUstream;
 
 use self::algo::{AlgoKey, Prepared};
 use self::device::DeviceState;
-use self::order::Order;
+use crate::cuda_stream::{self as order, Order};
 use crate::gemm_layout::GemmPlan;
 use crate::{FloatDtype, KernelError};
 
-pub use order::{OrderMode, force_host_sync, order_mode};
+pub use crate::cuda_stream::{OrderMode, force_host_sync, order_mode};
 
 static TF32: AtomicBool = AtomicBool::new(false);
 
@@ -308,7 +306,9 @@ fn launch<Held>(
 
     device::with_device(index, |dev| {
         dev.make_current()?;
-        order::ordered(order, dev, |dev, stream, workspace| {
+        let own_stream = dev.stream;
+        order::ordered(order, dev, own_stream, |dev, stream| {
+            let workspace = dev.workspace_for(stream)?;
             let handle = dev.handle;
             let prepared = prepared(dev, key)?;
             if let Some(ptr) = bias_ptr {

@@ -23,6 +23,9 @@ impl DeviceQuery for MatmulQuery {
     }
 }
 
+/// The CUDA device ordinal of `device`, `None` on any other runtime.
+pub(crate) use cuda::device_index as cuda_device_index;
+
 /// `lhs · rhs (+ bias)`, the inputs in that order.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Matmul {

@@ -36,14 +36,17 @@ impl DeviceQuery for AttentionQuery {
 
     fn ask<R: CubeRuntime>(&self, device: &R::Device) -> AttentionDevice {
         let client = R::client(device);
-        let supported = problem(&self.dims, self.dtype, &self.spec, false, false)
-            .is_some_and(|p| attention::supported(&client, &p));
+        let problem = problem(&self.dims, self.dtype, &self.spec, false, false);
+        let supported = problem
+            .as_ref()
+            .is_some_and(|p| attention::supported(&client, p));
         let tensor_cores =
             kernel_dtype(self.dtype).is_some_and(|d| attention::mma::available(&client, d));
         let blas = MatmulQuery { dtype: self.dtype }.ask::<R>(device);
         AttentionDevice {
             supported,
             tensor_cores,
+            cudnn: problem.is_some_and(|p| cudnn::takes::<R>(device, &p)),
             blas,
         }
     }
@@ -78,8 +81,8 @@ kernel!(
             AttentionPlan::MatrixProducts { block_rows } => {
                 products::forward::<R, F, I, BT>(tensors, op.spec, block_rows)
             }
-            AttentionPlan::TensorCores => forward(tensors, op.spec, true),
-            AttentionPlan::Tiled => forward(tensors, op.spec, false),
+            AttentionPlan::TensorCores { cudnn } => forward(tensors, op.spec, true, cudnn),
+            AttentionPlan::Tiled => forward(tensors, op.spec, false, false),
         };
         vec![out, lse]
     }
@@ -116,8 +119,10 @@ kernel!(
             AttentionPlan::MatrixProducts { block_rows } => {
                 products::backward::<R, F, I, BT>(tensors, out, lse, dout, spec, block_rows)
             }
-            AttentionPlan::TensorCores => backward(tensors, out, lse, dout, spec, true),
-            AttentionPlan::Tiled => backward(tensors, out, lse, dout, spec, false),
+            AttentionPlan::TensorCores { cudnn } => {
+                backward(tensors, out, lse, dout, spec, true, cudnn)
+            }
+            AttentionPlan::Tiled => backward(tensors, out, lse, dout, spec, false, false),
         };
         [Some(g.q), Some(g.k), Some(g.v), g.sinks]
             .into_iter()
@@ -267,16 +272,28 @@ impl<R: CubeRuntime> LaidOut<R> {
     }
 }
 
-/// Runs the tensor-core launch when asked, the tiled one otherwise or when
+/// Runs cuDNN's launch when asked, else (or when it refuses the problem)
+/// the tensor-core launch when asked, and the tiled one otherwise or when
 /// the tensor cores refuse the problem or layout; `kernel` names the launch
 /// in a [launch failure](crate::launch_failure).
-fn tensor_cores_or_tiled(
-    tensor_cores: bool,
+fn cudnn_tensor_cores_or_tiled(
+    (cudnn, tensor_cores): (bool, bool),
+    fused: impl FnOnce() -> Result<(), KernelError>,
     mma: impl FnOnce() -> Result<(), KernelError>,
     tiled: impl Fn() -> Result<(), KernelError>,
     kernel: &str,
 ) {
     launch(kernel, || {
+        let refused = |e: KernelError| match e {
+            KernelError::Unsupported(_) => Ok(()),
+            e => Err(e),
+        };
+        if cudnn {
+            match fused() {
+                Ok(()) => return Ok(()),
+                Err(e) => refused(e)?,
+            }
+        }
         if tensor_cores {
             mma().or_else(|_| tiled())
         } else {
@@ -285,11 +302,12 @@ fn tensor_cores_or_tiled(
     });
 }
 
-/// The tiled or (`tensor_cores`) tensor-core forward.
+/// The tiled, (`tensor_cores`) tensor-core or (`cudnn`) cuDNN forward.
 fn forward<R: CubeRuntime>(
     t: Forwarded<R>,
     spec: AttentionSpec,
     tensor_cores: bool,
+    cudnn: bool,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     let problem = checked_problem(&t, &spec);
     let t = LaidOut::new(t);
@@ -307,8 +325,9 @@ fn forward<R: CubeRuntime>(
         doc_starts: t.doc_starts_handle(),
     };
     let (client, device) = (&t.q.client, &t.q.device);
-    tensor_cores_or_tiled(
-        tensor_cores,
+    cudnn_tensor_cores_or_tiled(
+        (cudnn, tensor_cores),
+        || cudnn::forward::<R>(client, device, &problem, &buffers),
         || attention::mma::forward(client, device, &problem, &buffers),
         || attention::forward(client, device, &problem, &buffers),
         "attention forward",
@@ -316,7 +335,7 @@ fn forward<R: CubeRuntime>(
     (out, lse)
 }
 
-/// The tiled or (`tensor_cores`) tensor-core backward.
+/// The tiled, (`tensor_cores`) tensor-core or (`cudnn`) cuDNN backward.
 fn backward<R: CubeRuntime>(
     t: Forwarded<R>,
     out: CubeTensor<R>,
@@ -324,6 +343,7 @@ fn backward<R: CubeRuntime>(
     dout: CubeTensor<R>,
     spec: AttentionSpec,
     tensor_cores: bool,
+    cudnn: bool,
 ) -> AttentionGrads<CubeTensor<R>> {
     let problem = checked_problem(&t, &spec);
     let t = LaidOut::new(t);
@@ -356,8 +376,9 @@ fn backward<R: CubeRuntime>(
         dsink_rows: dsink_rows.as_ref().map(|d| d.handle.clone()),
     };
     let (client, device) = (&t.q.client, &t.q.device);
-    tensor_cores_or_tiled(
-        tensor_cores,
+    cudnn_tensor_cores_or_tiled(
+        (cudnn, tensor_cores),
+        || cudnn::backward::<R>(client, device, &problem, &buffers),
         || attention::mma::backward(client, device, &problem, &buffers),
         || attention::backward(client, device, &problem, &buffers),
         "attention backward",
@@ -367,5 +388,102 @@ fn backward<R: CubeRuntime>(
         k: dk,
         v: dv,
         sinks: dsink_rows,
+    }
+}
+
+/// cuDNN's fused attention, on the CUDA runtime only.
+#[cfg(feature = "cuda")]
+mod cudnn {
+    use core::any::Any;
+
+    use bastile_cubecl::KernelError;
+    use bastile_cubecl::attention::{
+        self, AttentionBackwardBuffers, AttentionForwardBuffers, AttentionProblem,
+    };
+    use burn_cubecl::CubeRuntime;
+    use cubecl::cuda::CudaRuntime;
+    use cubecl::prelude::ComputeClient;
+
+    use crate::backend::matmul::cuda_device_index;
+    use crate::launch_failure::failed;
+
+    /// Whether cuDNN is loaded on `device` and its graphs express
+    /// `problem`.
+    pub fn takes<R: CubeRuntime>(device: &R::Device, problem: &AttentionProblem) -> bool {
+        attention::cudnn::takes(problem)
+            && cuda_device_index::<R>(device).is_some_and(bastile_cubecl::cudnn::available)
+    }
+
+    /// The CUDA client and device ordinal, or `Unsupported` elsewhere.
+    fn cuda<'a, R: CubeRuntime>(
+        client: &'a ComputeClient<R>,
+        device: &R::Device,
+    ) -> Result<(&'a ComputeClient<CudaRuntime>, usize), KernelError> {
+        let client = (client as &dyn Any).downcast_ref::<ComputeClient<CudaRuntime>>();
+        match (client, cuda_device_index::<R>(device)) {
+            (Some(client), Some(index)) => Ok((client, index)),
+            _ => Err(KernelError::Unsupported("cuDNN runs on CUDA only".into())),
+        }
+    }
+
+    pub fn forward<R: CubeRuntime>(
+        client: &ComputeClient<R>,
+        device: &R::Device,
+        problem: &AttentionProblem,
+        buffers: &AttentionForwardBuffers,
+    ) -> Result<(), KernelError> {
+        let (client, index) = cuda::<R>(client, device)?;
+        attention::cudnn::forward(client, index, problem, buffers, |e| {
+            failed("cuDNN attention forward", e)
+        })
+    }
+
+    pub fn backward<R: CubeRuntime>(
+        client: &ComputeClient<R>,
+        device: &R::Device,
+        problem: &AttentionProblem,
+        buffers: &AttentionBackwardBuffers,
+    ) -> Result<(), KernelError> {
+        let (client, index) = cuda::<R>(client, device)?;
+        attention::cudnn::backward(client, index, problem, buffers, |e| {
+            failed("cuDNN attention backward", e)
+        })
+    }
+}
+
+/// Without the `cuda` feature there is no cuDNN path.
+#[cfg(not(feature = "cuda"))]
+mod cudnn {
+    use bastile_cubecl::KernelError;
+    use bastile_cubecl::attention::{
+        AttentionBackwardBuffers, AttentionForwardBuffers, AttentionProblem,
+    };
+    use burn_cubecl::CubeRuntime;
+    use cubecl::prelude::ComputeClient;
+
+    pub fn takes<R: CubeRuntime>(_device: &R::Device, _problem: &AttentionProblem) -> bool {
+        false
+    }
+
+    fn absent() -> KernelError {
+        KernelError::Unsupported("built without the `cuda` feature".into())
+    }
+
+    pub fn forward<R: CubeRuntime>(
+        _client: &ComputeClient<R>,
+        _device: &R::Device,
+        _problem: &AttentionProblem,
+        _buffers: &AttentionForwardBuffers,
+    ) -> Result<(), KernelError> {
+        Err(absent())
+    }
+
+    pub fn backward<R: CubeRuntime>(
+        _client: &ComputeClient<R>,
+        _device: &R::Device,
+        _problem: &AttentionProblem,
+        _buffers: &AttentionBackwardBuffers,
+    ) -> Result<(), KernelError> {
+        Err(absent())
     }
 }

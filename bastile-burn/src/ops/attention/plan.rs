@@ -36,12 +36,18 @@ pub fn set_fused_from(score_elements: u64) {
 /// Which kernels the fused attention runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AttentionKernels {
-    /// The tensor-core kernels where the runtime has them (CUDA, f16 and
-    /// bf16, head dims that are multiples of 16); else matrix products
-    /// where the `matmul` patch runs them on cuBLASLt; else the tiled
-    /// kernels.
+    /// cuDNN's fused attention where it is loaded and takes the problem
+    /// (CUDA, f16 and bf16, no sliding window, sinks, key lengths or
+    /// documents: what PyTorch's default attention runs, warpgroup kernels
+    /// on Hopper); else Bastile's tensor-core kernels where the runtime has
+    /// them (CUDA, f16 and bf16, head dims that are multiples of 16); else
+    /// matrix products where the `matmul` patch runs them on cuBLASLt;
+    /// else the tiled kernels.
     #[default]
     Auto,
+    /// Bastile's own tensor-core kernels where the runtime has them, never
+    /// cuDNN's; else as [`AttentionKernels::Auto`].
+    TensorCores,
     /// The tiled flash-style kernels (shared-memory tiles, f32 FMA) on
     /// every runtime.
     Tiled,
@@ -58,7 +64,8 @@ pub enum AttentionKernels {
 /// backward. Constant in the sequence length, so memory stays linear in it.
 pub const BLOCK_SCORES: usize = 1 << 26;
 
-/// 0: auto, 1: tiled, n ≥ 2: matrix products with `n − 2` block rows.
+/// 0: auto, 1: tiled, 2: tensor cores, n ≥ 3: matrix products with
+/// `n − 3` block rows.
 static KERNELS: AtomicU64 = AtomicU64::new(0);
 
 /// Chooses the attention kernels (see [`AttentionKernels`]); process-wide,
@@ -67,7 +74,8 @@ pub fn set_attention_kernels(kernels: AttentionKernels) {
     let code = match kernels {
         AttentionKernels::Auto => 0,
         AttentionKernels::Tiled => 1,
-        AttentionKernels::MatrixProducts { block_rows } => 2 + block_rows as u64,
+        AttentionKernels::TensorCores => 2,
+        AttentionKernels::MatrixProducts { block_rows } => 3 + block_rows as u64,
     };
     KERNELS.store(code, Ordering::SeqCst);
 }
@@ -77,8 +85,9 @@ pub fn attention_kernels() -> AttentionKernels {
     match KERNELS.load(Ordering::SeqCst) {
         0 => AttentionKernels::Auto,
         1 => AttentionKernels::Tiled,
+        2 => AttentionKernels::TensorCores,
         n => AttentionKernels::MatrixProducts {
-            block_rows: (n - 2) as usize,
+            block_rows: (n - 3) as usize,
         },
     }
 }
@@ -99,8 +108,8 @@ fn block_rows(matrices: usize, seq_k: usize) -> usize {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttentionPlan {
     /// The tensor-core kernels (the tiled kernels for a problem or layout
-    /// they refuse).
-    TensorCores,
+    /// they refuse), after cuDNN's fused attention with `cudnn`.
+    TensorCores { cudnn: bool },
     /// Blocks of at most `block_rows` query rows through matrix products.
     MatrixProducts { block_rows: usize },
     /// The tiled flash-style kernels.
@@ -114,6 +123,8 @@ pub struct AttentionDevice {
     pub supported: bool,
     /// The runtime has tensor-core kernels for its dtype.
     pub tensor_cores: bool,
+    /// cuDNN is loaded on the device and its graphs express the problem.
+    pub cudnn: bool,
     /// The vendor BLAS takes its dtype (for the matrix-product path).
     pub blas: bool,
 }
@@ -138,10 +149,20 @@ pub(super) fn plan<K: KernelBackend>(
             block_rows(matrices, k[2])
         },
     };
-    let plan = match attention_kernels() {
-        AttentionKernels::Auto if answer.tensor_cores => AttentionPlan::TensorCores,
-        AttentionKernels::Auto if is_enabled(Op::Matmul) && answer.blas => products(0),
-        AttentionKernels::Auto | AttentionKernels::Tiled => AttentionPlan::Tiled,
+    let kernels = attention_kernels();
+    let plan = match kernels {
+        AttentionKernels::Auto if answer.cudnn => AttentionPlan::TensorCores { cudnn: true },
+        AttentionKernels::Auto | AttentionKernels::TensorCores if answer.tensor_cores => {
+            AttentionPlan::TensorCores { cudnn: false }
+        }
+        AttentionKernels::Auto | AttentionKernels::TensorCores
+            if is_enabled(Op::Matmul) && answer.blas =>
+        {
+            products(0)
+        }
+        AttentionKernels::Auto | AttentionKernels::TensorCores | AttentionKernels::Tiled => {
+            AttentionPlan::Tiled
+        }
         AttentionKernels::MatrixProducts { block_rows } => products(block_rows),
     };
     let scores = matrices as u64 * (q[2] * k[2]) as u64;

@@ -1,0 +1,175 @@
+//! Ordering the work of CUDA libraries (cuBLASLt, cuDNN) against CubeCL's
+//! stream, and the CUDA context they share with it.
+//!
+//! Preferred: the library call is enqueued on the very CUDA stream CubeCL
+//! uses for the caller's stream id ([`stream_probe`]), from CubeCL's device
+//! thread as one of its tasks, so CUDA orders it after every kernel CubeCL
+//! issued before (the tasks queued before it) and before every later one,
+//! including one that reuses a freed operand's memory (the task holds the
+//! operands until the call is enqueued); the host never waits.
+//!
+//! Fallback, when that stream cannot be observed (CUPTI missing or held by
+//! a profiler) or `BASTILE_MATMUL_ORDER=host-sync` is set: the call runs on
+//! the library's own stream between two host synchronizations.
+
+mod stream_probe;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::ComputeClient;
+use cudarc::driver::result as drv;
+use cudarc::driver::sys::CUstream;
+
+use cudarc::driver::sys::CUcontext;
+
+use crate::KernelError;
+
+/// How a call is ordered against CubeCL's work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OrderMode {
+    /// Enqueued on CubeCL's own stream.
+    SameStream,
+    /// Host synchronization before and after, on cuBLASLt's own stream.
+    HostSync,
+}
+
+static FORCE_HOST_SYNC: AtomicBool = AtomicBool::new(false);
+
+/// Forces [`OrderMode::HostSync`] (for comparison and debugging); the
+/// environment variable `BASTILE_MATMUL_ORDER=host-sync` does the same.
+pub fn force_host_sync(force: bool) {
+    FORCE_HOST_SYNC.store(force, Ordering::SeqCst);
+}
+
+fn host_sync_forced() -> bool {
+    // The environment is read once: this runs on every matmul.
+    static ENV: OnceLock<bool> = OnceLock::new();
+    FORCE_HOST_SYNC.load(Ordering::SeqCst)
+        || *ENV
+            .get_or_init(|| std::env::var("BASTILE_MATMUL_ORDER").is_ok_and(|v| v == "host-sync"))
+}
+
+/// CubeCL's stream for the next call from this CubeCL stream on device
+/// `index`, or `None` when the call is ordered by host synchronization.
+pub(crate) fn same_stream(client: &ComputeClient<CudaRuntime>, index: usize) -> Option<CUstream> {
+    if host_sync_forced() {
+        return None;
+    }
+    let stream = stream_probe::cubecl_stream(client, index);
+    // Not an error, but a user chasing speed wants to know why small
+    // matmuls are slow.
+    static TOLD: AtomicBool = AtomicBool::new(false);
+    if stream.is_none() && !TOLD.swap(true, Ordering::SeqCst) {
+        eprintln!(
+            "bastile: CubeCL's CUDA stream could not be observed (CUPTI missing from the library \
+             path, or held by a profiler); cuBLASLt and cuDNN calls are ordered by host \
+             synchronization"
+        );
+    }
+    stream
+}
+
+/// The mode the next call from this CubeCL stream on device `index` uses.
+pub fn order_mode(client: &ComputeClient<CudaRuntime>, index: usize) -> OrderMode {
+    match same_stream(client, index) {
+        Some(_) => OrderMode::SameStream,
+        None => OrderMode::HostSync,
+    }
+}
+
+/// How one call is ordered against CubeCL's work.
+#[derive(Clone, Copy)]
+pub(crate) enum Order<'a> {
+    /// Enqueued on CubeCL's own stream ([`same_stream`]'s answer), from
+    /// CubeCL's device thread.
+    Stream(CUstream),
+    /// Between a synchronization of this client's stream and one of the
+    /// library's own.
+    HostSync(&'a ComputeClient<CudaRuntime>),
+}
+
+/// Runs `launch` (which enqueues on the stream it is given) ordered after
+/// every CubeCL operation submitted so far and before every later one: on
+/// CubeCL's stream, or on `own_stream` between host synchronizations. The
+/// caller has already fetched the operands' resources.
+pub(crate) fn ordered<S>(
+    order: Order<'_>,
+    state: &mut S,
+    own_stream: CUstream,
+    launch: impl FnOnce(&mut S, CUstream) -> Result<(), KernelError>,
+) -> Result<(), KernelError> {
+    let client = match order {
+        Order::Stream(stream) => return launch(state, stream),
+        Order::HostSync(client) => client,
+    };
+    cubecl::future::block_on(client.sync())
+        .map_err(|e| KernelError::Launch(format!("waiting for CubeCL's stream: {e:?}")))?;
+    let stream = own_stream;
+    let launched = launch(state, stream);
+    // SAFETY: `stream` is a live stream of the current context.
+    let synced = unsafe { drv::stream::synchronize(stream) }
+        .map_err(|e| KernelError::Launch(format!("cuStreamSynchronize: {e:?}")));
+    launched.and(synced)
+}
+
+/// The primary context of CUDA device `index` (the one CubeCL uses),
+/// retained once more for the process's lifetime and made current on the
+/// calling thread, and a non-blocking stream of the library's own in it.
+pub(crate) fn context_and_stream(index: usize) -> Result<(CUcontext, CUstream), String> {
+    drv::init().map_err(|e| format!("driver init: {e:?}"))?;
+    let device = drv::device::get(index as i32).map_err(|e| format!("device: {e:?}"))?;
+    // SAFETY: `device` is valid; the retained context is never released.
+    let ctx = unsafe { drv::primary_ctx::retain(device) }.map_err(|e| format!("context: {e:?}"))?;
+    make_current(ctx).map_err(|e| e.to_string())?;
+    let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking)
+        .map_err(|e| format!("stream: {e:?}"))?;
+    Ok((ctx, stream))
+}
+
+/// Makes `ctx` (from [`context_and_stream`]) current on the calling thread.
+pub(crate) fn make_current(ctx: CUcontext) -> Result<(), KernelError> {
+    // SAFETY: `ctx` is retained for the process's lifetime.
+    unsafe { drv::ctx::set_current(ctx) }
+        .map_err(|e| KernelError::Launch(format!("cuCtxSetCurrent: {e:?}")))
+}
+
+/// A library's state per CUDA device ordinal, created on first use; a
+/// failed creation is kept, so the check is not repeated. Each device has
+/// a lock of its own: data-parallel workers use their devices at once.
+pub(crate) struct PerDevice<S> {
+    slots: Mutex<Vec<Slot<S>>>,
+}
+
+type Slot<S> = Arc<Mutex<Option<Result<S, KernelError>>>>;
+
+impl<S> PerDevice<S> {
+    pub(crate) const fn new() -> Self {
+        Self {
+            slots: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Runs `f` with device `index`'s state, created by `init` on first
+    /// use.
+    pub(crate) fn with<T>(
+        &self,
+        index: usize,
+        init: impl FnOnce(usize) -> Result<S, KernelError>,
+        f: impl FnOnce(&mut S) -> Result<T, KernelError>,
+    ) -> Result<T, KernelError> {
+        let slot = {
+            let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            if slots.len() <= index {
+                slots.resize_with(index + 1, Slot::default);
+            }
+            slots[index].clone()
+        };
+        let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
+        match slot.get_or_insert_with(|| init(index)) {
+            Ok(state) => f(state),
+            Err(e) => Err(e.clone()),
+        }
+    }
+}
