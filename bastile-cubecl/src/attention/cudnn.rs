@@ -18,21 +18,16 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::sync::{LazyLock, Mutex};
 
-use cubecl::Runtime;
-use cubecl::cuda::{CudaDevice, CudaRuntime};
-use cubecl::device::Device;
-use cubecl::device_handle::DeviceHandle;
+use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::ComputeClient;
-use cubecl::server::{ComputeServer, Handle};
-use cubecl::stream_id::StreamId;
+use cubecl::server::Handle;
 use cudarc::cudnn::sys::{
     cudnnDataType_t as DataType, cudnnPointwiseMode_t as Pointwise, cudnnReduceTensorOp_t as Reduce,
 };
 use cudarc::driver::result as drv;
-use cudarc::driver::sys::CUstream;
 
 use super::{AttentionBackwardBuffers, AttentionForwardBuffers, AttentionProblem, HeadLayout};
-use crate::cuda_stream::{self, Order};
+use crate::cuda_stream::{self, Addresses, Order};
 use crate::cudnn::{self, Graph, Plan, SCALAR, Scalar, Storage, Uid};
 use crate::{FloatDtype, KernelError};
 
@@ -502,25 +497,15 @@ pub fn forward(
     ready(p, &b.layouts())?;
     b.check(p)?;
     let key = PlanKey::new(index, p, false, &b.layouts());
-    let workspace = prepared(key, || forward_graph(p, b))?;
-    let mut scalars = vec![Scalar(SCALE, p.scale)];
-    if p.causal {
-        scalars.push(Scalar(NEG_INF, f32::NEG_INFINITY));
-    }
-    let call = Call {
-        key,
-        buffers: vec![
-            (Q, b.q.handle.clone()),
-            (K, b.k.handle.clone()),
-            (V, b.v.handle.clone()),
-            (O, b.out.handle.clone()),
-            (LSE, b.lse.clone()),
-        ],
-        scalars,
-        workspace: client.empty(workspace.max(16)),
-        zeroed: None,
-    };
-    submit(client, index, call, on_error)
+    let tensors = vec![
+        (Q, b.q.handle.clone()),
+        (K, b.k.handle.clone()),
+        (V, b.v.handle.clone()),
+        (O, b.out.handle.clone()),
+        (LSE, b.lse.clone()),
+    ];
+    let graph = || forward_graph(p, b);
+    run(client, p, key, graph, tensors, None, on_error)
 }
 
 /// Runs the backward on CUDA device `index` through cuDNN, as [`forward`]
@@ -536,106 +521,82 @@ pub fn backward(
     ready(p, &b.layouts())?;
     b.check(p, false)?;
     let key = PlanKey::new(index, p, true, &b.layouts());
-    let workspace = prepared(key, || backward_graph(p, b))?;
-    let mut scalars = vec![Scalar(SCALE, p.scale), Scalar(ONE, 1.0)];
+    let acc_bytes = p.query_rows() * p.head_dim * 4;
+    let dq_acc = client.empty(acc_bytes);
+    let tensors = vec![
+        (Q, b.q.handle.clone()),
+        (K, b.k.handle.clone()),
+        (V, b.v.handle.clone()),
+        (O, b.out.handle.clone()),
+        (DO, b.dout.handle.clone()),
+        (DQ, b.dq.handle.clone()),
+        (DK, b.dk.handle.clone()),
+        (DV, b.dv.handle.clone()),
+        (LSE, b.lse.clone()),
+        (DELTA, b.delta.clone()),
+        (DQ_ACC, dq_acc.clone()),
+    ];
+    let graph = || backward_graph(p, b);
+    run(
+        client,
+        p,
+        key,
+        graph,
+        tensors,
+        Some((dq_acc, acc_bytes)),
+        on_error,
+    )
+}
+
+/// Builds `key`'s plan on first use (`graph`), then enqueues it on
+/// `buffers` with the problem's scalars, zeroing `zeroed` first.
+fn run(
+    client: &ComputeClient<CudaRuntime>,
+    p: &AttentionProblem,
+    key: PlanKey,
+    graph: impl FnOnce() -> Result<Graph, KernelError>,
+    buffers: Vec<(Uid, Handle)>,
+    zeroed: Option<(Handle, usize)>,
+    on_error: impl FnOnce(KernelError) + Send + 'static,
+) -> Result<(), KernelError> {
+    let workspace = prepared(key, graph)?;
+    let mut scalars = vec![Scalar(SCALE, p.scale)];
+    if key.backward {
+        scalars.push(Scalar(ONE, 1.0));
+    }
     if p.causal {
         scalars.push(Scalar(NEG_INF, f32::NEG_INFINITY));
     }
-    let acc_bytes = p.query_rows() * p.head_dim * 4;
-    let dq_acc = client.empty(acc_bytes);
     let call = Call {
         key,
-        buffers: vec![
-            (Q, b.q.handle.clone()),
-            (K, b.k.handle.clone()),
-            (V, b.v.handle.clone()),
-            (O, b.out.handle.clone()),
-            (DO, b.dout.handle.clone()),
-            (DQ, b.dq.handle.clone()),
-            (DK, b.dk.handle.clone()),
-            (DV, b.dv.handle.clone()),
-            (LSE, b.lse.clone()),
-            (DELTA, b.delta.clone()),
-            (DQ_ACC, dq_acc.clone()),
-        ],
+        buffers,
         scalars,
         workspace: client.empty(workspace.max(16)),
-        zeroed: Some((dq_acc, acc_bytes)),
+        zeroed,
     };
-    submit(client, index, call, on_error)
+    let enqueue =
+        move |order: Order<'_>, address: &mut Addresses<'_>| enqueue(order, &call, address);
+    cuda_stream::submit(client, key.device, enqueue, on_error)
 }
 
-/// Enqueues `call` in CubeCL's order: as a task of CubeCL's device thread
-/// on its stream, or here between host synchronizations.
-fn submit(
-    client: &ComputeClient<CudaRuntime>,
-    index: usize,
-    call: Call,
-    on_error: impl FnOnce(KernelError) + Send + 'static,
-) -> Result<(), KernelError> {
-    let address_error =
-        |e: &dyn std::fmt::Debug| KernelError::Launch(format!("buffer address: {e:?}"));
-    let Some(stream) = cuda_stream::same_stream(client, index) else {
-        let resource = |h: &Handle| {
-            let r = client
-                .get_resource(h.clone())
-                .map_err(|e| address_error(&e))?;
-            Ok((r.resource().ptr, r))
-        };
-        return enqueue(index, Order::HostSync(client), &call, resource);
-    };
-    // The stream crosses to the device thread as an address (raw pointers
-    // are not `Send`).
-    let stream = stream as usize;
-    DeviceHandle::<<CudaRuntime as Runtime>::Server>::new(CudaDevice { index }.to_id()).submit(
-        move |server| {
-            // The device thread runs each task under the stream id it was
-            // submitted from.
-            let stream_id = StreamId::current();
-            let resource = |h: &Handle| {
-                let r = server
-                    .get_resource(h.clone().binding(), stream_id)
-                    .map_err(|e| address_error(&e))?;
-                Ok((r.resource().ptr, r))
-            };
-            if let Err(e) = enqueue(index, Order::Stream(stream as CUstream), &call, resource) {
-                on_error(e);
-            }
-        },
-    );
-    Ok(())
-}
-
-/// [`submit`]'s work once the ordering is known. `resource` gives a
-/// buffer's device address and what keeps the buffer alive meanwhile.
-fn enqueue<Held>(
-    index: usize,
-    order: Order<'_>,
-    call: &Call,
-    mut resource: impl FnMut(&Handle) -> Result<(u64, Held), KernelError>,
-) -> Result<(), KernelError> {
-    let mut held = Vec::new();
+/// [`run`]'s work once the ordering is known; `address` gives a buffer's
+/// device address (and keeps it alive until the call is enqueued).
+fn enqueue(order: Order<'_>, call: &Call, address: &mut Addresses<'_>) -> Result<(), KernelError> {
     let mut addresses = Vec::with_capacity(call.buffers.len());
     for (uid, handle) in &call.buffers {
-        let (ptr, r) = resource(handle)?;
-        addresses.push((*uid, ptr));
-        held.push(r);
+        addresses.push((*uid, address(handle)?));
     }
-    let (workspace, r) = resource(&call.workspace)?;
-    held.push(r);
+    let workspace = address(&call.workspace)?;
     let zeroed = match &call.zeroed {
-        Some((handle, bytes)) => {
-            let (ptr, r) = resource(handle)?;
-            held.push(r);
-            Some((ptr, *bytes))
-        }
+        Some((handle, bytes)) => Some((address(handle)?, *bytes)),
         None => None,
     };
-    cudnn::with_device(index, |dev| {
+    cudnn::with_device(call.key.device, |dev| {
         let own_stream = dev.stream;
         cuda_stream::ordered(order, dev, own_stream, |dev, stream| {
             if let Some((ptr, bytes)) = zeroed {
-                // SAFETY: a live buffer of `bytes` bytes (held above).
+                // SAFETY: a live buffer of `bytes` bytes (held until the
+                // call is enqueued).
                 unsafe { drv::memset_d8_async(ptr, 0, bytes, stream) }
                     .map_err(|e| KernelError::Launch(format!("cuMemsetD8Async: {e:?}")))?;
             }
@@ -648,14 +609,11 @@ fn enqueue<Held>(
                     ));
                 }
             };
-            // SAFETY: the buffers are live CubeCL buffers (held above) that
-            // `check` found large enough for the graph's tensors; the
-            // workspace holds the plan's bytes; `ordered` orders the call
-            // against CubeCL's stream.
+            // SAFETY: the buffers are live CubeCL buffers (held until the
+            // call is enqueued) that `check` found large enough for the
+            // graph's tensors; the workspace holds the plan's bytes;
+            // `ordered` orders the call against CubeCL's stream.
             unsafe { plan.execute(dev.handle, stream, &addresses, &call.scalars, workspace) }
         })
-    })?;
-    // The resources (and with them the buffers) are released only now.
-    drop(held);
-    Ok(())
+    })
 }

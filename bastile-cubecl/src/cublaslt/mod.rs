@@ -7,7 +7,7 @@
 //! workspace and each problem's descriptors and algorithm are kept per
 //! device (`device`); for short products the algorithm is the fastest of
 //! the heuristic's candidates on the problem's first call (`tune`).
-//! [`crate::cuda_stream`] enqueues the calls on CubeCL's own stream when it
+//! `crate::cuda_stream` enqueues the calls on CubeCL's own stream when it
 //! can observe it, else orders them by host synchronization.
 
 mod algo;
@@ -17,20 +17,15 @@ mod tune;
 use std::collections::hash_map::Entry;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use cubecl::Runtime;
-use cubecl::cuda::{CudaDevice, CudaRuntime};
-use cubecl::device::Device;
-use cubecl::device_handle::DeviceHandle;
+use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::ComputeClient;
-use cubecl::server::{ComputeServer, Handle};
-use cubecl::stream_id::StreamId;
+use cubecl::server::Handle;
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys::cublasLtMatmulAlgo_t;
-use cudarc::driver::sys::CUstream;
 
 use self::algo::{AlgoKey, Prepared};
 use self::device::DeviceState;
-use crate::cuda_stream::{self as order, Order};
+use crate::cuda_stream::{self, Addresses, Order};
 use crate::gemm_layout::GemmPlan;
 use crate::{FloatDtype, KernelError};
 
@@ -137,18 +132,12 @@ pub fn gemm(
         return Err(KernelError::Unsupported("matmul with K = 0".into()));
     }
     let call = Call::new(dtypes, plan, &buffers);
-    let Some(stream) = order::same_stream(client, index) else {
-        let resource = |h: &Handle| {
-            let r = client.get_resource(h.clone()).map_err(address_error)?;
-            Ok((r.resource().ptr, r))
-        };
-        return launch(index, Order::HostSync(client), &call, resource);
-    };
     // Whether cuBLASLt takes the problem is settled here, where the caller
     // can still take another path. The buffers' addresses are known only
-    // on the device thread, but their alignment (up to the 256 bytes the
-    // key distinguishes) is their offsets' within CubeCL's allocations,
-    // which start on 512-byte boundaries.
+    // where the call is enqueued (on the device thread), but their
+    // alignment (up to the 256 bytes the key distinguishes) is their
+    // offsets' within CubeCL's allocations, which start on 512-byte
+    // boundaries.
     let expected = call.key([
         call.lhs.offset_start.unwrap_or(0),
         call.rhs.offset_start.unwrap_or(0),
@@ -161,30 +150,12 @@ pub fn gemm(
         dev.make_current()?;
         prepared(dev, expected).map(|_| ())
     })?;
-    // The stream crosses to the device thread as an address (raw pointers
-    // are not `Send`).
-    let stream = stream as usize;
-    DeviceHandle::<<CudaRuntime as Runtime>::Server>::new(CudaDevice { index }.to_id()).submit(
-        move |server| {
-            // The caller's CubeCL stream: the device thread runs each task
-            // under the stream id it was submitted from.
-            let stream_id = StreamId::current();
-            let resource = |h: &Handle| {
-                let r = server
-                    .get_resource(h.clone().binding(), stream_id)
-                    .map_err(address_error)?;
-                Ok((r.resource().ptr, r))
-            };
-            if let Err(e) = launch(index, Order::Stream(stream as CUstream), &call, resource) {
-                on_error(e);
-            }
-        },
-    );
-    Ok(())
-}
-
-fn address_error(e: impl std::fmt::Debug) -> KernelError {
-    KernelError::Launch(format!("buffer address: {e:?}"))
+    cuda_stream::submit(
+        client,
+        index,
+        move |order, address| launch(index, order, &call, address),
+        on_error,
+    )
 }
 
 /// The bias epilogue's stride between matrices: 0 without a bias, a
@@ -287,19 +258,19 @@ impl Call {
     }
 }
 
-/// [`gemm`]'s work once the ordering is known. `resource` gives a
-/// buffer's device address and what keeps the buffer alive meanwhile.
-fn launch<Held>(
+/// [`gemm`]'s work once the ordering is known; `address` gives a
+/// buffer's device address (and keeps it alive until the call is
+/// enqueued).
+fn launch(
     index: usize,
     order: Order<'_>,
     call: &Call,
-    mut resource: impl FnMut(&Handle) -> Result<(u64, Held), KernelError>,
+    address: &mut Addresses<'_>,
 ) -> Result<(), KernelError> {
-    let (lhs_ptr, lhs) = resource(&call.lhs)?;
-    let (rhs_ptr, rhs) = resource(&call.rhs)?;
-    let (out_ptr, out) = resource(&call.out)?;
-    let bias = call.bias.as_ref().map(&mut resource).transpose()?;
-    let bias_ptr = bias.as_ref().map(|(ptr, _)| *ptr);
+    let lhs_ptr = address(&call.lhs)?;
+    let rhs_ptr = address(&call.rhs)?;
+    let out_ptr = address(&call.out)?;
+    let bias_ptr = call.bias.as_ref().map(&mut *address).transpose()?;
     let key = call.key([lhs_ptr, rhs_ptr, out_ptr, bias_ptr.unwrap_or(0)]);
     let plan = &call.plan;
     let (elem, out_elem) = call.element_bytes();
@@ -307,7 +278,7 @@ fn launch<Held>(
     device::with_device(index, |dev| {
         dev.make_current()?;
         let own_stream = dev.stream;
-        order::ordered(order, dev, own_stream, |dev, stream| {
+        cuda_stream::ordered(order, dev, own_stream, |dev, stream| {
             let workspace = dev.workspace_for(stream)?;
             let handle = dev.handle;
             let prepared = prepared(dev, key)?;
@@ -321,9 +292,9 @@ fn launch<Held>(
                 let a = rhs_ptr + offsets[1] as u64 * elem;
                 let b = lhs_ptr + offsets[0] as u64 * elem;
                 let d = out_ptr + offsets[2] as u64 * out_elem;
-                // SAFETY: the addresses are live CubeCL buffers (held by
-                // the resources above) whose extents the plan respects;
-                // `order::ordered` orders the call against CubeCL's stream.
+                // SAFETY: the addresses are live CubeCL buffers (held until
+                // the call is enqueued) whose extents the plan respects;
+                // `ordered` orders the call against CubeCL's stream.
                 unsafe {
                     lt::matmul(
                         handle,
@@ -368,8 +339,5 @@ fn launch<Held>(
             }
             Ok(())
         })
-    })?;
-    // The resources (and with them the buffers) are released only now.
-    drop((lhs, rhs, out, bias));
-    Ok(())
+    })
 }

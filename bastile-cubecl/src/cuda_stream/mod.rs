@@ -17,8 +17,13 @@ mod stream_probe;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cubecl::cuda::CudaRuntime;
+use cubecl::Runtime;
+use cubecl::cuda::{CudaDevice, CudaRuntime};
+use cubecl::device::Device;
+use cubecl::device_handle::DeviceHandle;
 use cubecl::prelude::ComputeClient;
+use cubecl::server::{ComputeServer, Handle};
+use cubecl::stream_id::StreamId;
 use cudarc::driver::result as drv;
 use cudarc::driver::sys::CUstream;
 
@@ -88,6 +93,60 @@ pub(crate) enum Order<'a> {
     /// Between a synchronization of this client's stream and one of the
     /// library's own.
     HostSync(&'a ComputeClient<CudaRuntime>),
+}
+
+/// A call's way to its buffers: each handle's device address, the buffer
+/// kept alive until the call is enqueued.
+pub(crate) type Addresses<'a> = dyn FnMut(&Handle) -> Result<u64, KernelError> + 'a;
+
+/// Hands `enqueue` (a library call on CUDA device `index`) the order it
+/// runs in and its buffers' addresses: as a task of CubeCL's device thread
+/// on CubeCL's stream, returning at once (an error met there goes to
+/// `on_error`, on that thread), or here between host synchronizations
+/// when that stream cannot be observed (an error is returned).
+pub(crate) fn submit(
+    client: &ComputeClient<CudaRuntime>,
+    index: usize,
+    enqueue: impl FnOnce(Order<'_>, &mut Addresses<'_>) -> Result<(), KernelError> + Send + 'static,
+    on_error: impl FnOnce(KernelError) + Send + 'static,
+) -> Result<(), KernelError> {
+    let address_error =
+        |e: &dyn std::fmt::Debug| KernelError::Launch(format!("buffer address: {e:?}"));
+    let Some(stream) = same_stream(client, index) else {
+        let mut held = Vec::new();
+        let mut address = |h: &Handle| {
+            let r = client
+                .get_resource(h.clone())
+                .map_err(|e| address_error(&e))?;
+            let ptr = r.resource().ptr;
+            held.push(r);
+            Ok(ptr)
+        };
+        return enqueue(Order::HostSync(client), &mut address);
+    };
+    // The stream crosses to the device thread as an address (raw pointers
+    // are not `Send`).
+    let stream = stream as usize;
+    DeviceHandle::<<CudaRuntime as Runtime>::Server>::new(CudaDevice { index }.to_id()).submit(
+        move |server| {
+            // The device thread runs each task under the stream id it was
+            // submitted from: the caller's CubeCL stream.
+            let stream_id = StreamId::current();
+            let mut held = Vec::new();
+            let mut address = |h: &Handle| {
+                let r = server
+                    .get_resource(h.clone().binding(), stream_id)
+                    .map_err(|e| address_error(&e))?;
+                let ptr = r.resource().ptr;
+                held.push(r);
+                Ok(ptr)
+            };
+            if let Err(e) = enqueue(Order::Stream(stream as CUstream), &mut address) {
+                on_error(e);
+            }
+        },
+    );
+    Ok(())
 }
 
 /// Runs `launch` (which enqueues on the stream it is given) ordered after

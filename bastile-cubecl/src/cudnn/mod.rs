@@ -1,8 +1,8 @@
 //! cuDNN's graph API on CubeCL's CUDA buffers, loaded at run time like the
 //! rest of CUDA (`libcudnn.so.9`).
 //!
-//! A graph of cuDNN operations over tensors named by ids ([`Graph`]) is
-//! finalized into an execution plan ([`Plan`]): cuDNN's heuristic lists
+//! A graph of cuDNN operations over tensors named by ids (`Graph`) is
+//! finalized into an execution plan (`Plan`): cuDNN's heuristic lists
 //! the engines that run the whole graph as one fused computation, and the
 //! first that builds is kept. A plan runs on the buffers a call names by
 //! the same ids. Its errors at build time are

@@ -24,6 +24,7 @@ impl DeviceQuery for MatmulQuery {
 }
 
 /// The CUDA device ordinal of `device`, `None` on any other runtime.
+#[cfg(feature = "cuda")]
 pub(crate) use cuda::device_index as cuda_device_index;
 
 /// `lhs · rhs (+ bias)`, the inputs in that order.

@@ -12,8 +12,10 @@ use crate::fused::{KernelBackend, TensorSpec, unpack};
 use crate::patches::{Op, is_enabled};
 use kernel::Matmul;
 pub use kernel::MatmulQuery;
+#[cfg(feature = "cuda")]
+pub(crate) use kernel::cuda_device_index;
 pub(crate) use kernel::{
-    cuda_device_index, matmul as matmul_with_bias, matmul_blas, matmul_blas_into_rows, product,
+    matmul as matmul_with_bias, matmul_blas, matmul_blas_into_rows, product,
     product_and_column_sums,
 };
 
