@@ -84,8 +84,8 @@ pub use error::BastileError;
 pub use fused::BastileBackend;
 pub use launch_failure::{LaunchFailure, capture_launch_failures, launch_failed};
 pub use ops::attention::{
-    AttentionKernels, AttentionOptions, attention, attention_kernels, document_starts,
-    set_attention_kernels,
+    AttentionKernels, AttentionOptions, attention, attention_kernels, deterministic_attention,
+    document_starts, set_attention_kernels, set_deterministic_attention,
 };
 pub use ops::combine_rows::combine_rows;
 pub use ops::cross_entropy::{

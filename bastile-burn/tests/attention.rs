@@ -9,7 +9,7 @@
 use crate::common::*;
 use bastile::{
     AttentionKernels, AttentionOptions, Bastile, BastileBackend, BastileError, attention,
-    set_attention_kernels,
+    set_attention_kernels, set_deterministic_attention,
 };
 use bastile_cubecl::reference::attention::{self as reference, AttentionSpec};
 use bastile_cubecl::testing::{Rng, assert_close, seq_major, tolerance};
@@ -300,7 +300,7 @@ backend_test! {
         if name.starts_with("cuda") {
             kernels.extend([AttentionKernels::Auto, AttentionKernels::TensorCores]);
         }
-        for (family, k) in kernels.into_iter().enumerate() {
+        for (family, &k) in kernels.iter().enumerate() {
             set_attention_kernels(k);
             for (d, &dtype) in dtypes.iter().enumerate() {
                 for (i, c) in cases.iter().enumerate() {
@@ -316,7 +316,69 @@ backend_test! {
                 }
             }
         }
+        // The deterministic backward: the same bits on every run, and the
+        // right gradients, in every family.
+        set_deterministic_attention(true);
+        for &k in &kernels {
+            set_attention_kernels(k);
+            deterministic_runs::<B>(name, &format!("{k:?}"), device, dtypes, &mut rng);
+        }
+        set_deterministic_attention(false);
         set_attention_kernels(AttentionKernels::Auto);
+    }
+}
+
+/// With the deterministic backward on, three runs of one problem (GQA,
+/// causal, several blocks, sequence-major views) give the same gradient
+/// bits, and they match the reference.
+fn deterministic_runs<B: BastileBackend + bastile::ops::KernelBackend>(
+    name: &str,
+    family: &str,
+    device: &B::Device,
+    dtypes: &[DType],
+    rng: &mut Rng,
+) {
+    let c = Case {
+        batch: 1,
+        heads: 8,
+        kv_heads: 2,
+        seq_q: 130,
+        seq_k: 130,
+        head_dim: 64,
+        causal: true,
+        window: None,
+        sinks: false,
+        key_lengths: None,
+        documents: None,
+        seq_major: true,
+    };
+    let (n_q, n_k) = (8 * 130 * 64, 2 * 130 * 64);
+    for &dtype in dtypes {
+        let x = Inputs {
+            q: randn(rng, n_q, 0.0, 1.5, dtype),
+            k: randn(rng, n_k, 0.0, 1.5, dtype),
+            v: randn(rng, n_k, 0.0, 1.0, dtype),
+            dout: randn(rng, n_q, 0.0, 1.0, dtype),
+            sinks: vec![],
+        };
+        let first = run::<Bastile<B>>(&c, &x, dtype, device);
+        for _ in 0..2 {
+            let again = run::<Bastile<B>>(&c, &x, dtype, device);
+            for (what, a, b) in [
+                ("dq", &first.1, &again.1),
+                ("dk", &first.2, &again.2),
+                ("dv", &first.3, &again.3),
+            ] {
+                // Equal f64 widenings are equal bits.
+                let differ = a.iter().zip(b).filter(|(x, y)| x != y).count();
+                assert_eq!(
+                    differ, 0,
+                    "{name} {family} {dtype:?}: {what} differs between runs"
+                );
+            }
+        }
+        let what = format!("{name} {family} deterministic");
+        check::<B>(&c, dtype, &what, device, rng, false);
     }
 }
 

@@ -81,7 +81,7 @@ kernel!(
             AttentionPlan::MatrixProducts { block_rows } => {
                 products::forward::<R, F, I, BT>(tensors, op.spec, block_rows)
             }
-            AttentionPlan::TensorCores { cudnn } => forward(tensors, op.spec, true, cudnn),
+            AttentionPlan::TensorCores { cudnn, .. } => forward(tensors, op.spec, true, cudnn),
             AttentionPlan::Tiled => forward(tensors, op.spec, false, false),
         };
         vec![out, lse]
@@ -119,10 +119,11 @@ kernel!(
             AttentionPlan::MatrixProducts { block_rows } => {
                 products::backward::<R, F, I, BT>(tensors, out, lse, dout, spec, block_rows)
             }
-            AttentionPlan::TensorCores { cudnn } => {
-                backward(tensors, out, lse, dout, spec, true, cudnn)
-            }
-            AttentionPlan::Tiled => backward(tensors, out, lse, dout, spec, false, false),
+            AttentionPlan::TensorCores {
+                cudnn,
+                deterministic,
+            } => backward(tensors, out, lse, dout, spec, (true, cudnn, deterministic)),
+            AttentionPlan::Tiled => backward(tensors, out, lse, dout, spec, (false, false, false)),
         };
         [Some(g.q), Some(g.k), Some(g.v), g.sinks]
             .into_iter()
@@ -335,15 +336,15 @@ fn forward<R: CubeRuntime>(
     (out, lse)
 }
 
-/// The tiled, (`tensor_cores`) tensor-core or (`cudnn`) cuDNN backward.
+/// The tiled, (`tensor_cores`) tensor-core or (`cudnn`) cuDNN backward;
+/// on the tensor cores with `deterministic`, the form without atomics.
 fn backward<R: CubeRuntime>(
     t: Forwarded<R>,
     out: CubeTensor<R>,
     lse: CubeTensor<R>,
     dout: CubeTensor<R>,
     spec: AttentionSpec,
-    tensor_cores: bool,
-    cudnn: bool,
+    (tensor_cores, cudnn, deterministic): (bool, bool, bool),
 ) -> AttentionGrads<CubeTensor<R>> {
     let problem = checked_problem(&t, &spec);
     let t = LaidOut::new(t);
@@ -379,7 +380,10 @@ fn backward<R: CubeRuntime>(
     cudnn_tensor_cores_or_tiled(
         (cudnn, tensor_cores),
         || cudnn::backward::<R>(client, device, &problem, &buffers),
-        || attention::mma::backward(client, device, &problem, &buffers),
+        || match deterministic {
+            true => attention::mma::backward_deterministic(client, &problem, &buffers),
+            false => attention::mma::backward(client, device, &problem, &buffers),
+        },
         || attention::backward(client, device, &problem, &buffers),
         "attention backward",
     );

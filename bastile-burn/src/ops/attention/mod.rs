@@ -43,7 +43,7 @@ pub use kernel::AttentionQuery;
 use kernel::{BackwardLaunch, ForwardLaunch};
 pub use plan::{
     AttentionKernels, AttentionPlan, BLOCK_SCORES, DEFAULT_FUSED_FROM, attention_kernels,
-    set_attention_kernels, set_fused_from,
+    deterministic_attention, set_attention_kernels, set_deterministic_attention, set_fused_from,
 };
 
 /// What an attention call does besides its tensors.

@@ -2,7 +2,7 @@
 //! decided once per call from the settings below, the device's answer and
 //! the problem, and handed to the launch.
 
-use core::sync::atomic::{AtomicU64, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use burn::tensor::Device;
 
@@ -92,6 +92,25 @@ pub fn attention_kernels() -> AttentionKernels {
     }
 }
 
+static DETERMINISTIC: AtomicBool = AtomicBool::new(false);
+
+/// Makes the attention's backward pass bit-identical from run to run
+/// (process-wide, read at every call): Bastile's own kernels with every
+/// gradient written by the cube that owns it (on the tensor cores the
+/// dK/dV kernel followed by the dQ kernel, without the fused kernel's
+/// atomic additions into dQ), never cuDNN's. Off by default: the fused
+/// and cuDNN backwards add into dQ in whatever order the GPU runs them,
+/// which moves its last bits.
+pub fn set_deterministic_attention(on: bool) {
+    DETERMINISTIC.store(on, Ordering::SeqCst);
+}
+
+/// Whether the attention's backward is deterministic (see
+/// [`set_deterministic_attention`]).
+pub fn deterministic_attention() -> bool {
+    DETERMINISTIC.load(Ordering::SeqCst)
+}
+
 /// Query rows per block of the matrix-product path for `batch · heads`
 /// score matrices of `seq_k` keys: as many as [`BLOCK_SCORES`] allows, a
 /// multiple of 64 (at least 16).
@@ -108,8 +127,9 @@ fn block_rows(matrices: usize, seq_k: usize) -> usize {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttentionPlan {
     /// The tensor-core kernels (the tiled kernels for a problem or layout
-    /// they refuse), after cuDNN's fused attention with `cudnn`.
-    TensorCores { cudnn: bool },
+    /// they refuse), after cuDNN's fused attention with `cudnn`; with
+    /// `deterministic`, a backward without atomic additions.
+    TensorCores { cudnn: bool, deterministic: bool },
     /// Blocks of at most `block_rows` query rows through matrix products.
     MatrixProducts { block_rows: usize },
     /// The tiled flash-style kernels.
@@ -150,10 +170,17 @@ pub(super) fn plan<K: KernelBackend>(
         },
     };
     let kernels = attention_kernels();
+    let deterministic = deterministic_attention();
     let plan = match kernels {
-        AttentionKernels::Auto if answer.cudnn => AttentionPlan::TensorCores { cudnn: true },
+        AttentionKernels::Auto if answer.cudnn && !deterministic => AttentionPlan::TensorCores {
+            cudnn: true,
+            deterministic,
+        },
         AttentionKernels::Auto | AttentionKernels::TensorCores if answer.tensor_cores => {
-            AttentionPlan::TensorCores { cudnn: false }
+            AttentionPlan::TensorCores {
+                cudnn: false,
+                deterministic,
+            }
         }
         AttentionKernels::Auto | AttentionKernels::TensorCores
             if is_enabled(Op::Matmul) && answer.blas =>

@@ -504,6 +504,29 @@ pub fn backward<R: Runtime>(
     )
 }
 
+/// Runs the backward with the first configuration (the fastest on an H200
+/// among them, see [`candidates`]) that writes every gradient from the
+/// cube that owns it: the dK/dV kernel, then the dQ kernel, no atomic
+/// additions, so the result is the same bits on every run.
+pub fn backward_deterministic<R: Runtime>(
+    client: &ComputeClient<R>,
+    problem: &AttentionProblem,
+    buffers: &AttentionBackwardBuffers,
+) -> Result<(), KernelError> {
+    let b = buffers;
+    ready(client, problem, &b.layouts())?;
+    b.check(problem, false)?;
+    match candidates(client, problem, true)
+        .into_iter()
+        .find(|c| !c.fused_dq)
+    {
+        Some(config) => backward_with(client, problem, buffers, &config),
+        None => Err(KernelError::Unsupported(format!(
+            "no tensor-core backward without atomics fits {problem:?} on this device"
+        ))),
+    }
+}
+
 /// The units of a tensor-core cube: `upr` (one plane over its tiles) per
 /// 16 rows of the tile.
 pub(crate) fn mma_units(t: AttnTile) -> usize {
