@@ -419,12 +419,10 @@ where
     let cuda = R::name(&R::client(&device)) == "cuda";
     if let (true, AttentionArg::Auto, Some(v)) = (cuda, args.attention, bastile::cudnn_version()) {
         report.notes.push(format!(
-            "Bastile's attention ran on cuDNN {}.{}.{}'s fused kernels wherever they take the \
-             problem (f16/bf16 without a sliding window, sinks, key lengths or documents); \
+            "Bastile's attention ran on {}'s fused kernels wherever they take the problem \
+             (f16/bf16 without a sliding window, sinks, key lengths or documents); \
              `--attention tensor-cores` runs Bastile's own kernels instead.",
-            v / 10000,
-            v / 100 % 100,
-            v % 100
+            bastile_cli::device::cudnn_name(v)
         ));
     }
     if kernels {

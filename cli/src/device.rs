@@ -34,6 +34,20 @@ pub struct RunInfo {
     /// On CUDA, the Burn backend the model runs on, which the run's
     /// description names.
     pub cuda_backend: Option<CudaBackend>,
+    /// On CUDA with Bastile's kernels, the version of the cuDNN whose
+    /// fused attention runs the models' attention (`None`: not loaded).
+    pub cudnn: Option<usize>,
+}
+
+/// A cuDNN version number (`major·10000 + minor·100 + patch`) as people
+/// write it.
+pub fn cudnn_name(version: usize) -> String {
+    format!(
+        "cuDNN {}.{}.{}",
+        version / 10000,
+        version / 100 % 100,
+        version % 100
+    )
 }
 
 impl RunInfo {
@@ -60,9 +74,13 @@ impl RunInfo {
         } else {
             "Burn's own ops"
         };
+        let attention = match self.cudnn {
+            Some(v) => format!(", {}'s fused attention", cudnn_name(v)),
+            None => String::new(),
+        };
         match self.cuda_backend {
-            Some(backend) => format!("{device} ({}), {ops}", backend.type_name()),
-            None => format!("{device}, {ops}"),
+            Some(backend) => format!("{device} ({}), {ops}{attention}", backend.type_name()),
+            None => format!("{device}, {ops}{attention}"),
         }
     }
 }
@@ -156,6 +174,7 @@ pub fn dispatch<T: Task>(kind: DeviceKind, bastile: bool, task: T) -> Result<T::
         device: kind,
         bastile: bastile && kind != DeviceKind::Cpu,
         cuda_backend: None,
+        cudnn: None,
     };
     if bastile && kind == DeviceKind::Cpu {
         eprintln!(
@@ -220,6 +239,7 @@ fn cuda_data_parallel<T: Task>(
         device: DeviceKind::Cuda,
         bastile,
         cuda_backend: Some(backend),
+        cudnn: bastile.then(bastile::cudnn_version).flatten(),
     };
     match (bastile, backend) {
         (true, CudaBackend::Direct) => {
@@ -258,6 +278,7 @@ fn cuda<T: Task>(bastile: bool, task: T, info: RunInfo) -> Result<T::Output, Cli
     let backend = cuda_backend(bastile, &task);
     let info = RunInfo {
         cuda_backend: Some(backend),
+        cudnn: bastile.then(bastile::cudnn_version).flatten(),
         ..info
     };
     match (bastile, backend) {
@@ -381,15 +402,25 @@ mod tests {
             device: DeviceKind::Cuda,
             bastile: true,
             cuda_backend: Some(CudaBackend::Direct),
+            cudnn: None,
         };
         assert_eq!(
             cuda.describe(),
             "CUDA (bastile::CudaDirect), Bastile's fused kernels"
         );
+        let with_cudnn = RunInfo {
+            cudnn: Some(91400),
+            ..cuda
+        };
+        assert_eq!(
+            with_cudnn.describe(),
+            "CUDA (bastile::CudaDirect), Bastile's fused kernels, cuDNN 9.14.0's fused attention"
+        );
         let cpu = RunInfo {
             device: DeviceKind::Cpu,
             bastile: false,
             cuda_backend: None,
+            cudnn: None,
         };
         assert_eq!(cpu.describe(), "CPU, Burn's own ops");
     }
