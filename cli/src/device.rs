@@ -63,6 +63,18 @@ impl RunInfo {
         }
     }
 
+    /// A run on CUDA over `backend`, with Bastile's kernels or not (then
+    /// also the cuDNN whose attention they use, if it is loaded).
+    #[cfg(feature = "cuda")]
+    fn cuda(bastile: bool, backend: CudaBackend) -> Self {
+        Self {
+            device: DeviceKind::Cuda,
+            bastile,
+            cuda_backend: Some(backend),
+            cudnn: bastile.then(bastile::cudnn_version).flatten(),
+        }
+    }
+
     pub fn describe(&self) -> String {
         let device = match self.device {
             DeviceKind::Cuda => "CUDA",
@@ -183,7 +195,7 @@ pub fn dispatch<T: Task>(kind: DeviceKind, bastile: bool, task: T) -> Result<T::
         );
     }
     match (kind, info.bastile) {
-        (DeviceKind::Cuda, b) => cuda(b, task, info),
+        (DeviceKind::Cuda, b) => cuda(b, task),
         (DeviceKind::Vulkan, b) => vulkan(b, task, info),
         _ => task.run::<Autodiff<NdArray>>(Default::default(), info),
     }
@@ -235,12 +247,7 @@ fn cuda_data_parallel<T: Task>(
         .map(|k| Device::from_id(DeviceId::new(0, k as u16)))
         .collect();
     let backend = cuda_backend(bastile, &task);
-    let info = RunInfo {
-        device: DeviceKind::Cuda,
-        bastile,
-        cuda_backend: Some(backend),
-        cudnn: bastile.then(bastile::cudnn_version).flatten(),
-    };
+    let info = RunInfo::cuda(bastile, backend);
     match (bastile, backend) {
         (true, CudaBackend::Direct) => {
             let collective = Collective::nccl(&devices)?;
@@ -268,7 +275,7 @@ fn cuda_data_parallel<T: Task>(_: bool, count: usize, _: T) -> Result<T::Output,
 }
 
 #[cfg(feature = "cuda")]
-fn cuda<T: Task>(bastile: bool, task: T, info: RunInfo) -> Result<T::Output, CliError> {
+fn cuda<T: Task>(bastile: bool, task: T) -> Result<T::Output, CliError> {
     use burn::backend::Cuda;
     if !cuda_present() {
         return Err(CliError::Usage(
@@ -276,11 +283,7 @@ fn cuda<T: Task>(bastile: bool, task: T, info: RunInfo) -> Result<T::Output, Cli
         ));
     }
     let backend = cuda_backend(bastile, &task);
-    let info = RunInfo {
-        cuda_backend: Some(backend),
-        cudnn: bastile.then(bastile::cudnn_version).flatten(),
-        ..info
-    };
+    let info = RunInfo::cuda(bastile, backend);
     match (bastile, backend) {
         (true, CudaBackend::Direct) => {
             task.run::<Autodiff<Bastile<bastile::CudaDirect>>>(Default::default(), info)
@@ -324,7 +327,7 @@ pub fn model_routes_experts(model: &str) -> bool {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda<T: Task>(_: bool, _: T, _: RunInfo) -> Result<T::Output, CliError> {
+fn cuda<T: Task>(_: bool, _: T) -> Result<T::Output, CliError> {
     Err(CliError::Usage(
         "this `bastile` was built without CUDA support (feature `cuda`)".into(),
     ))

@@ -26,9 +26,12 @@ use cudarc::cudnn::sys::{
 };
 use cudarc::driver::result as drv;
 
-use super::{AttentionBackwardBuffers, AttentionForwardBuffers, AttentionProblem, HeadLayout};
+use super::{
+    AttentionBackwardBuffers, AttentionForwardBuffers, AttentionProblem, HeadLayout,
+    half_rows_in_vectors,
+};
 use crate::cuda_stream::{self, Addresses, Order};
-use crate::cudnn::{self, Graph, Plan, SCALAR, Scalar, Storage, Uid};
+use crate::cudnn::{self, Graph, Layout, Plan, SCALAR, Scalar, Storage, Uid};
 use crate::{FloatDtype, KernelError};
 
 // The ids of the tensors a call passes.
@@ -100,25 +103,25 @@ impl Extents {
 
     /// `[b, h, sq, sk]`, dense: the scores and everything derived from
     /// them.
-    fn scores(&self) -> ([i64; 4], [i64; 4]) {
+    fn scores(&self) -> Layout {
         let Self { b, h, sq, sk, .. } = *self;
         ([b, h, sq, sk], [h * sq * sk, sq * sk, sk, 1])
     }
 
     /// `[b, h, sk, sq]`: the scores transposed, a view of [`Self::scores`].
-    fn scores_transposed(&self) -> ([i64; 4], [i64; 4]) {
+    fn scores_transposed(&self) -> Layout {
         let Self { b, h, sq, sk, .. } = *self;
         ([b, h, sk, sq], [h * sq * sk, sq * sk, 1, sk])
     }
 
     /// `[b, h, sq, 1]`, dense: one value per query row (`lse`, `Δ`).
-    fn rows(&self) -> ([i64; 4], [i64; 4]) {
+    fn rows(&self) -> Layout {
         let Self { b, h, sq, .. } = *self;
         ([b, h, sq, 1], [h * sq, sq, 1, 1])
     }
 
     /// Dense `[b, heads, seq, d]`.
-    fn dense(&self, heads: i64, seq: i64) -> ([i64; 4], [i64; 4]) {
+    fn dense(&self, heads: i64, seq: i64) -> Layout {
         let (b, d) = (self.b, self.d);
         ([b, heads, seq, d], [heads * seq * d, seq * d, d, 1])
     }
@@ -135,20 +138,19 @@ fn head_tensor(
     transposed: bool,
 ) -> Result<Uid, KernelError> {
     let [sb, sh, ss] = layout.strides.map(|s| s as i64);
-    let (dims, strides) = if transposed {
+    let layout = if transposed {
         ([b, heads, d, seq], [sb, sh, 1, ss])
     } else {
         ([b, heads, seq, d], [sb, sh, ss, 1])
     };
-    g.tensor(uid, dtype, dims, strides, Storage::Buffer)
+    g.tensor(uid, dtype, layout, Storage::Buffer)
 }
 
 /// `scores` with every key after its query (top-left aligned) set to −∞
 /// (the by-value [`NEG_INF`]).
 fn causal_mask(g: &mut Graph, scores: Uid, e: &Extents) -> Result<Uid, KernelError> {
-    let (dims, strides) = e.scores();
     let index = |g: &mut Graph, axis: i64| {
-        let i = g.virt(DataType::CUDNN_DATA_INT32, dims, strides)?;
+        let i = g.virt(DataType::CUDNN_DATA_INT32, e.scores())?;
         g.pointwise(
             Pointwise::CUDNN_POINTWISE_GEN_INDEX,
             scores,
@@ -161,7 +163,7 @@ fn causal_mask(g: &mut Graph, scores: Uid, e: &Extents) -> Result<Uid, KernelErr
         Ok::<_, KernelError>(i)
     };
     let (row, col) = (index(g, 2)?, index(g, 3)?);
-    let seen = g.virt(DataType::CUDNN_DATA_BOOLEAN, dims, strides)?;
+    let seen = g.virt(DataType::CUDNN_DATA_BOOLEAN, e.scores())?;
     g.pointwise(
         Pointwise::CUDNN_POINTWISE_CMP_GE,
         row,
@@ -171,8 +173,8 @@ fn causal_mask(g: &mut Graph, scores: Uid, e: &Extents) -> Result<Uid, KernelErr
         None,
         DataType::CUDNN_DATA_BOOLEAN,
     )?;
-    g.tensor(NEG_INF, F32, SCALAR, SCALAR, Storage::Scalar)?;
-    let masked = g.virt(F32, dims, strides)?;
+    g.tensor(NEG_INF, F32, SCALAR, Storage::Scalar)?;
+    let masked = g.virt(F32, e.scores())?;
     g.pointwise(
         Pointwise::CUDNN_POINTWISE_BINARY_SELECT,
         scores,
@@ -191,18 +193,18 @@ fn binary(
     mode: Pointwise,
     x: Uid,
     b: Option<Uid>,
-    (dims, strides): ([i64; 4], [i64; 4]),
+    layout: Layout,
 ) -> Result<Uid, KernelError> {
-    let y = g.virt(F32, dims, strides)?;
+    let y = g.virt(F32, layout)?;
     g.pointwise(mode, x, b, None, y, None, F32)?;
     Ok(y)
 }
 
-/// The scaled scores `scale · Q·Kᵀ`, causally masked when asked.
+/// The scaled scores `scale · Q·Kᵀ`.
 fn scaled_scores(g: &mut Graph, e: &Extents) -> Result<Uid, KernelError> {
-    let s = g.virt(F32, e.scores().0, e.scores().1)?;
+    let s = g.virt(F32, e.scores())?;
     g.matmul(Q, K, s)?;
-    g.tensor(SCALE, F32, SCALAR, SCALAR, Storage::Scalar)?;
+    g.tensor(SCALE, F32, SCALAR, Storage::Scalar)?;
     binary(
         g,
         Pointwise::CUDNN_POINTWISE_MUL,
@@ -223,12 +225,12 @@ fn forward_graph(
     head_tensor(&mut g, K, io, &buffers.k, keys, true)?;
     head_tensor(&mut g, V, io, &buffers.v, keys, false)?;
     head_tensor(&mut g, O, io, &buffers.out, queries, false)?;
-    g.tensor(LSE, F32, e.rows().0, e.rows().1, Storage::Buffer)?;
+    g.tensor(LSE, F32, e.rows(), Storage::Buffer)?;
     let mut s = scaled_scores(&mut g, &e)?;
     if p.causal {
         s = causal_mask(&mut g, s, &e)?;
     }
-    let max = g.virt(F32, e.rows().0, e.rows().1)?;
+    let max = g.virt(F32, e.rows())?;
     g.reduce(Reduce::CUDNN_REDUCE_TENSOR_MAX, s, max)?;
     let shifted = binary(
         &mut g,
@@ -244,7 +246,7 @@ fn forward_graph(
         None,
         e.scores(),
     )?;
-    let sum = g.virt(F32, e.rows().0, e.rows().1)?;
+    let sum = g.virt(F32, e.rows())?;
     g.reduce(Reduce::CUDNN_REDUCE_TENSOR_ADD, exp, sum)?;
     let log_sum = binary(&mut g, Pointwise::CUDNN_POINTWISE_LOG, sum, None, e.rows())?;
     g.pointwise(
@@ -256,7 +258,7 @@ fn forward_graph(
         None,
         F32,
     )?;
-    let probs = g.virt(io, e.scores().0, e.scores().1)?;
+    let probs = g.virt(io, e.scores())?;
     g.pointwise(
         Pointwise::CUDNN_POINTWISE_DIV,
         exp,
@@ -286,10 +288,9 @@ fn backward_graph(
     head_tensor(&mut g, DQ, io, &b.dq, queries, false)?;
     head_tensor(&mut g, DK, io, &b.dk, keys, false)?;
     head_tensor(&mut g, DV, io, &b.dv, keys, false)?;
-    g.tensor(LSE, F32, e.rows().0, e.rows().1, Storage::Buffer)?;
-    g.tensor(DELTA, F32, e.rows().0, e.rows().1, Storage::Buffer)?;
-    let (acc_dims, acc_strides) = e.dense(e.h, e.sq);
-    g.tensor(DQ_ACC, F32, acc_dims, acc_strides, Storage::Buffer)?;
+    g.tensor(LSE, F32, e.rows(), Storage::Buffer)?;
+    g.tensor(DELTA, F32, e.rows(), Storage::Buffer)?;
+    g.tensor(DQ_ACC, F32, e.dense(e.h, e.sq), Storage::Buffer)?;
 
     // Δ = Σ_d dO·O, per query row.
     let products = binary(
@@ -299,9 +300,9 @@ fn backward_graph(
         Some(O),
         e.dense(e.h, e.sq),
     )?;
-    let row_sums = g.virt(F32, e.rows().0, e.rows().1)?;
+    let row_sums = g.virt(F32, e.rows())?;
     g.reduce(Reduce::CUDNN_REDUCE_TENSOR_ADD, products, row_sums)?;
-    g.tensor(ONE, F32, SCALAR, SCALAR, Storage::Scalar)?;
+    g.tensor(ONE, F32, SCALAR, Storage::Scalar)?;
     g.pointwise(
         Pointwise::CUDNN_POINTWISE_MUL,
         row_sums,
@@ -331,13 +332,12 @@ fn backward_graph(
         None,
         e.scores(),
     )?;
-    let (t_dims, t_strides) = e.scores_transposed();
-    let probs_t = g.virt(io, t_dims, t_strides)?;
+    let probs_t = g.virt(io, e.scores_transposed())?;
     g.reshape(probs, probs_t)?;
     key_gradient(&mut g, probs_t, DO, DV, p, &e, io)?;
 
     // dS = P·(dO·Vᵀ − Δ)·scale.
-    let dp = g.virt(F32, e.scores().0, e.scores().1)?;
+    let dp = g.virt(F32, e.scores())?;
     g.matmul(DO, V, dp)?;
     let centred = binary(
         &mut g,
@@ -360,13 +360,12 @@ fn backward_graph(
         Some(SCALE),
         e.scores(),
     )?;
-    let ds_t = g.virt(io, t_dims, t_strides)?;
+    let ds_t = g.virt(io, e.scores_transposed())?;
     g.reshape(ds, ds_t)?;
     key_gradient(&mut g, ds_t, Q, DK, p, &e, io)?;
 
     // dQ = dS·K, accumulated in f32, then rounded into dq.
-    let (k_dims, k_strides) = e.dense(e.hk, e.sk);
-    let k_rows = g.virt(F32, k_dims, k_strides)?;
+    let k_rows = g.virt(F32, e.dense(e.hk, e.sk))?;
     g.reshape(K, k_rows)?;
     g.matmul(ds, k_rows, DQ_ACC)?;
     g.pointwise(
@@ -395,8 +394,7 @@ fn key_gradient(
     if p.heads == p.kv_heads {
         return g.matmul(lhs_t, rhs, out);
     }
-    let (dims, strides) = e.dense(e.h, e.sk);
-    let per_head = g.virt(io, dims, strides)?;
+    let per_head = g.virt(io, e.dense(e.h, e.sk))?;
     g.matmul(lhs_t, rhs, per_head)?;
     g.reduce(Reduce::CUDNN_REDUCE_TENSOR_ADD, per_head, out)
 }
@@ -460,14 +458,7 @@ fn ready(p: &AttentionProblem, layouts: &[&HeadLayout]) -> Result<(), KernelErro
         )));
     }
     // 16-byte aligned rows, as the graphs declare.
-    match layouts.iter().find(|l| !l.splits_into(8, 2)) {
-        Some(l) => Err(KernelError::Unsupported(format!(
-            "cuDNN's attention needs 16-byte aligned rows: strides {:?} at byte offset {}",
-            l.strides,
-            l.handle.offset_start.unwrap_or(0)
-        ))),
-        None => Ok(()),
-    }
+    half_rows_in_vectors(layouts, "cuDNN's attention")
 }
 
 /// One call of a plan with its buffers, owned so it can cross to CubeCL's

@@ -288,6 +288,24 @@ impl HeadLayout {
     }
 }
 
+/// f16/bf16 tensors whose every row starts on a 16-byte vector (whole
+/// vectors of strides, a buffer on a vector boundary), which `reader`
+/// (the tensor-core kernels, cuDNN) loads them in.
+pub(crate) fn half_rows_in_vectors(
+    layouts: &[&HeadLayout],
+    reader: &str,
+) -> Result<(), KernelError> {
+    // Vectors of 8 two-byte elements.
+    match layouts.iter().find(|l| !l.splits_into(8, 2)) {
+        Some(l) => Err(KernelError::Unsupported(format!(
+            "{reader} reads 16-byte vectors: strides {:?} at byte offset {} do not allow them",
+            l.strides,
+            l.handle.offset_start.unwrap_or(0)
+        ))),
+        None => Ok(()),
+    }
+}
+
 fn flat_arg<R: Runtime>(handle: &Handle, len: usize) -> TensorArg<R> {
     unsafe { TensorArg::from_raw_parts(handle.clone(), [1].into(), [len].into()) }
 }

@@ -25,9 +25,7 @@ use cubecl::prelude::ComputeClient;
 use cubecl::server::{ComputeServer, Handle};
 use cubecl::stream_id::StreamId;
 use cudarc::driver::result as drv;
-use cudarc::driver::sys::CUstream;
-
-use cudarc::driver::sys::CUcontext;
+use cudarc::driver::sys::{CUcontext, CUstream};
 
 use crate::KernelError;
 
@@ -36,7 +34,7 @@ use crate::KernelError;
 pub enum OrderMode {
     /// Enqueued on CubeCL's own stream.
     SameStream,
-    /// Host synchronization before and after, on cuBLASLt's own stream.
+    /// Host synchronization before and after, on the library's own stream.
     HostSync,
 }
 
@@ -49,7 +47,7 @@ pub fn force_host_sync(force: bool) {
 }
 
 fn host_sync_forced() -> bool {
-    // The environment is read once: this runs on every matmul.
+    // The environment is read once: this runs on every library call.
     static ENV: OnceLock<bool> = OnceLock::new();
     FORCE_HOST_SYNC.load(Ordering::SeqCst)
         || *ENV
@@ -165,10 +163,9 @@ pub(crate) fn ordered<S>(
     };
     cubecl::future::block_on(client.sync())
         .map_err(|e| KernelError::Launch(format!("waiting for CubeCL's stream: {e:?}")))?;
-    let stream = own_stream;
-    let launched = launch(state, stream);
-    // SAFETY: `stream` is a live stream of the current context.
-    let synced = unsafe { drv::stream::synchronize(stream) }
+    let launched = launch(state, own_stream);
+    // SAFETY: `own_stream` is a live stream of the current context.
+    let synced = unsafe { drv::stream::synchronize(own_stream) }
         .map_err(|e| KernelError::Launch(format!("cuStreamSynchronize: {e:?}")));
     launched.and(synced)
 }

@@ -1,5 +1,6 @@
 //! Finding the CUDA stream CubeCL launches on, so cuBLASLt and cuDNN can
-//! enqueue their work on that same stream (ordered by CUDA itself, with no host wait).
+//! enqueue their work on that same stream (ordered by CUDA itself, with no
+//! host wait).
 //!
 //! CubeCL 0.10 keeps its `CUstream` private. The stream is observed instead:
 //! a CUPTI callback on `cuLaunchKernel` is armed, a one-thread kernel of

@@ -112,8 +112,11 @@ pub(crate) struct Graph {
     next_virtual: Uid,
 }
 
-/// A by-value f32 `[1, 1, 1, 1]` tensor's shape.
-pub(crate) const SCALAR: [i64; 4] = [1, 1, 1, 1];
+/// A graph tensor's dims and strides (in elements).
+pub(crate) type Layout = ([i64; 4], [i64; 4]);
+
+/// A by-value `[1, 1, 1, 1]` tensor's layout.
+pub(crate) const SCALAR: Layout = ([1; 4], [1; 4]);
 
 impl Graph {
     pub fn new() -> Self {
@@ -124,13 +127,12 @@ impl Graph {
         }
     }
 
-    /// Declares tensor `uid` of `dtype`, dims and strides (in elements).
+    /// Declares tensor `uid` of `dtype` and `layout`.
     pub fn tensor(
         &mut self,
         uid: Uid,
         dtype: cudnnDataType_t,
-        dims: [i64; 4],
-        strides: [i64; 4],
+        (dims, strides): Layout,
         storage: Storage,
     ) -> Result<Uid, KernelError> {
         let mut d = Desc::new(Kind::CUDNN_BACKEND_TENSOR_DESCRIPTOR)?;
@@ -183,15 +185,10 @@ impl Graph {
     }
 
     /// A new virtual tensor.
-    pub fn virt(
-        &mut self,
-        dtype: cudnnDataType_t,
-        dims: [i64; 4],
-        strides: [i64; 4],
-    ) -> Result<Uid, KernelError> {
+    pub fn virt(&mut self, dtype: cudnnDataType_t, layout: Layout) -> Result<Uid, KernelError> {
         let uid = self.next_virtual;
         self.next_virtual += 1;
-        self.tensor(uid, dtype, dims, strides, Storage::Virtual)
+        self.tensor(uid, dtype, layout, Storage::Virtual)
     }
 
     fn get(&self, uid: Uid) -> &Desc {

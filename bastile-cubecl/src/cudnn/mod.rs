@@ -14,7 +14,7 @@ mod graph;
 use cudarc::cudnn::sys::{self as dnn, cudnnHandle_t, cudnnStatus_t};
 use cudarc::driver::sys::{CUcontext, CUstream};
 
-pub(crate) use graph::{Graph, Plan, SCALAR, Scalar, Storage, Uid};
+pub(crate) use graph::{Graph, Layout, Plan, SCALAR, Scalar, Storage, Uid};
 
 use crate::KernelError;
 use crate::cuda_stream::PerDevice;
@@ -39,14 +39,11 @@ impl DeviceState {
     fn new(index: usize) -> Result<Self, KernelError> {
         let err =
             |what: &str| KernelError::Unsupported(format!("cuDNN on CUDA device {index}: {what}"));
-        // SAFETY: `is_culib_present` only tries to open the library.
-        if !unsafe { dnn::is_culib_present() } {
+        let Some(version) = version() else {
             return Err(err(
                 "libcudnn was not found (add cuDNN 9's libraries to LD_LIBRARY_PATH)",
             ));
-        }
-        // SAFETY: the library is present; this reads its version number.
-        let version = unsafe { dnn::cudnnGetVersion() };
+        };
         if version < MIN_VERSION {
             return Err(err(&format!("version {version} is older than 9.0")));
         }

@@ -23,9 +23,10 @@ impl DeviceQuery for MatmulQuery {
     }
 }
 
-/// The CUDA device ordinal of `device`, `None` on any other runtime.
+/// The CUDA device ordinal of `device`, and the CUDA client behind a
+/// client of it; `None` on any other runtime.
 #[cfg(feature = "cuda")]
-pub(crate) use cuda::device_index as cuda_device_index;
+pub(crate) use cuda::{cuda_client, device_index as cuda_device_index};
 
 /// `lhs · rhs (+ bias)`, the inputs in that order.
 #[derive(Clone, Copy, Debug)]
@@ -205,6 +206,17 @@ mod cuda {
             .map(|d| d.index)
     }
 
+    /// The CUDA client behind `client` and the ordinal of `device`, `None`
+    /// on any other runtime.
+    pub fn cuda_client<'a, R: CubeRuntime>(
+        client: &'a ComputeClient<R>,
+        device: &R::Device,
+    ) -> Option<(&'a ComputeClient<CudaRuntime>, usize)> {
+        let index = device_index::<R>(device)?;
+        let client = (client as &dyn Any).downcast_ref::<ComputeClient<CudaRuntime>>()?;
+        Some((client, index))
+    }
+
     pub fn available(index: usize) -> bool {
         cublaslt::available(index)
     }
@@ -262,8 +274,7 @@ mod cuda {
         /// are not kernel dtypes, or the shapes do not match (the inner
         /// backend then reports them its usual way).
         fn new(lhs: &'a CubeTensor<R>, rhs: &CubeTensor<R>) -> Option<Self> {
-            let index = device_index::<R>(&lhs.device)?;
-            let client = (&lhs.client as &dyn Any).downcast_ref::<ComputeClient<CudaRuntime>>()?;
+            let (client, index) = cuda_client::<R>(&lhs.client, &lhs.device)?;
             let dtype = kernel_dtype(lhs.dtype)?;
             if rhs.dtype != lhs.dtype {
                 return None;

@@ -13,7 +13,7 @@ use crate::patches::{Op, is_enabled};
 use kernel::Matmul;
 pub use kernel::MatmulQuery;
 #[cfg(feature = "cuda")]
-pub(crate) use kernel::cuda_device_index;
+pub(crate) use kernel::{cuda_client, cuda_device_index};
 pub(crate) use kernel::{
     matmul as matmul_with_bias, matmul_blas, matmul_blas_into_rows, product,
     product_and_column_sums,

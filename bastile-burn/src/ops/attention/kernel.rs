@@ -285,14 +285,11 @@ fn cudnn_tensor_cores_or_tiled(
     kernel: &str,
 ) {
     launch(kernel, || {
-        let refused = |e: KernelError| match e {
-            KernelError::Unsupported(_) => Ok(()),
-            e => Err(e),
-        };
         if cudnn {
             match fused() {
-                Ok(()) => return Ok(()),
-                Err(e) => refused(e)?,
+                // Refused: the problem goes on to Bastile's kernels.
+                Err(KernelError::Unsupported(_)) => {}
+                result => return result,
             }
         }
         if tensor_cores {
@@ -398,8 +395,6 @@ fn backward<R: CubeRuntime>(
 /// cuDNN's fused attention, on the CUDA runtime only.
 #[cfg(feature = "cuda")]
 mod cudnn {
-    use core::any::Any;
-
     use bastile_cubecl::KernelError;
     use bastile_cubecl::attention::{
         self, AttentionBackwardBuffers, AttentionForwardBuffers, AttentionProblem,
@@ -408,7 +403,7 @@ mod cudnn {
     use cubecl::cuda::CudaRuntime;
     use cubecl::prelude::ComputeClient;
 
-    use crate::backend::matmul::cuda_device_index;
+    use crate::backend::matmul::{cuda_client, cuda_device_index};
     use crate::launch_failure::failed;
 
     /// Whether cuDNN is loaded on `device` and its graphs express
@@ -423,11 +418,8 @@ mod cudnn {
         client: &'a ComputeClient<R>,
         device: &R::Device,
     ) -> Result<(&'a ComputeClient<CudaRuntime>, usize), KernelError> {
-        let client = (client as &dyn Any).downcast_ref::<ComputeClient<CudaRuntime>>();
-        match (client, cuda_device_index::<R>(device)) {
-            (Some(client), Some(index)) => Ok((client, index)),
-            _ => Err(KernelError::Unsupported("cuDNN runs on CUDA only".into())),
-        }
+        cuda_client::<R>(client, device)
+            .ok_or_else(|| KernelError::Unsupported("cuDNN runs on CUDA only".into()))
     }
 
     pub fn forward<R: CubeRuntime>(

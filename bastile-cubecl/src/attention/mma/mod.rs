@@ -27,7 +27,7 @@ use cubecl::tune::{LocalTuner, local_tuner};
 use super::tile::{AttnTile, OwnedRows, allowed, seen_by};
 use super::{
     AttentionBackwardBuffers, AttentionForwardBuffers, AttentionProblem, AttnDims, AttnKey,
-    HeadLayout, backward_delta_zeroing, flat_arg, key,
+    HeadLayout, backward_delta_zeroing, flat_arg, half_rows_in_vectors, key,
 };
 use crate::tune::{CandidateCache, Tuner, run_tuned};
 use crate::{FloatDtype, KernelError, launch};
@@ -203,21 +203,6 @@ pub fn usable<R: Runtime>(client: &ComputeClient<R>, problem: &AttentionProblem)
         && problem.head_dim <= 256
 }
 
-/// 16-byte loads need every stride a whole number of vectors and every
-/// buffer starting on a 16-byte boundary.
-fn vector_layout(layouts: &[&HeadLayout]) -> Result<(), KernelError> {
-    // f16/bf16: vectors of `VEC` two-byte elements.
-    match layouts.iter().find(|l| !l.splits_into(VEC, 2)) {
-        Some(l) => Err(KernelError::Unsupported(format!(
-            "the tensor-core attention reads 16-byte vectors: strides {:?} at byte offset {} \
-             do not allow them",
-            l.strides,
-            l.handle.offset_start.unwrap_or(0)
-        ))),
-        None => Ok(()),
-    }
-}
-
 fn ready<R: Runtime>(
     client: &ComputeClient<R>,
     problem: &AttentionProblem,
@@ -229,7 +214,7 @@ fn ready<R: Runtime>(
             "the tensor-core attention does not run {problem:?} on this device"
         )));
     }
-    vector_layout(layouts)
+    half_rows_in_vectors(layouts, "the tensor-core attention")
 }
 
 /// Launches the forward with one explicit configuration.
