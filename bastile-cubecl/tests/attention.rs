@@ -797,7 +797,7 @@ mod cudnn {
 }
 
 /// cuDNN's fused attention, where it is loaded, against the f64 reference:
-/// every option case its graphs take, head dims 64 to 128 and odd
+/// every option case its graphs take, head dims 64 to 256 and odd
 /// lengths up to 4097, GQA ratios 1 to 8, causal and not, strided
 /// layouts, in each half dtype. Elsewhere it must refuse.
 #[cfg(feature = "cuda")]
@@ -819,7 +819,12 @@ impl RuntimeTest for Cudnn {
             .into_iter()
             .filter(|c| fused::takes(&problem_of(c, FloatDtype::BF16)))
             .collect();
-        for (heads, kv_heads, seq, d) in [(4, 4, 100, 64), (4, 2, 63, 80), (2, 1, 1000, 96)] {
+        for (heads, kv_heads, seq, d) in [
+            (4, 4, 100, 64),
+            (4, 2, 63, 80),
+            (2, 1, 1000, 96),
+            (2, 1, 70, 256),
+        ] {
             cases.push(Case::new(1, heads, kv_heads, seq, d));
         }
         cases.push(Case::new(1, 4, 1, 4097, 64));

@@ -187,7 +187,8 @@ where
 }
 
 /// Routed against dense and f64 with parameters in `dtype`, within `tol`
-/// (relative L2; twice that between the two paths).
+/// (relative L2; twice that between the two paths, four times for the
+/// router's gradients).
 fn routed_matches_dense<B: AutodiffBackend + bastile::BastileBackend>(
     device: &B::Device,
     backend: &str,
@@ -222,11 +223,17 @@ fn routed_matches_dense<B: AutodiffBackend + bastile::BastileBackend>(
         "down bias gradient",
     ];
     for ((name, r), d) in names.iter().zip(&routed).zip(&dense) {
+        // Each token's router-logit gradients sum to zero over the experts,
+        // so the router's gradients (sums over 7 tokens) are small beside
+        // their terms, whose rounding they keep: twice the bound of the
+        // other gradients, where one token's term missing would still be
+        // off by about a seventh.
+        let cancelling = name.starts_with("router");
         assert_close(
             &format!("{backend}: routed {name} against dense"),
             r,
             d,
-            2.0 * tol,
+            if cancelling { 4.0 } else { 2.0 } * tol,
             seed,
         );
     }

@@ -11,13 +11,22 @@
 /// });
 /// ```
 ///
+/// `kernel!(Op, "name", dispatch_at_once: true, |..| ..)` sets
+/// [`Kernel::DISPATCH_AT_ONCE`](crate::fused::Kernel::DISPATCH_AT_ONCE).
 /// The body sees the op value, the float and int input lists (bound by the
 /// patterns) and the generic parameters `R`, `F`, `I`, `BT` of the
 /// `CubeBackend` it launches on, and returns the outputs in order.
 macro_rules! kernel {
     ($op:ty, $name:literal, |$this:pat_param, $floats:pat_param, $ints:pat_param| $body:expr) => {
+        $crate::fused::kernel!($op, $name, dispatch_at_once: false, |$this, $floats, $ints| $body);
+    };
+    (
+        $op:ty, $name:literal, dispatch_at_once: $at_once:literal,
+        |$this:pat_param, $floats:pat_param, $ints:pat_param| $body:expr
+    ) => {
         impl $crate::fused::Kernel for $op {
             const NAME: &'static str = $name;
+            const DISPATCH_AT_ONCE: bool = $at_once;
 
             fn launch<
                 R: burn_cubecl::CubeRuntime,

@@ -133,7 +133,7 @@ fn record<B: FusionBackend + KernelBackend, K: Kernel>(
             input.status = TensorStatus::ReadOnly;
         }
     }
-    client.register(
+    let outputs = client.register(
         streams,
         OperationIr::Custom(desc),
         Recorded::<B, K> {
@@ -144,5 +144,11 @@ fn record<B: FusionBackend + KernelBackend, K: Kernel>(
             outputs,
             _backend: core::marker::PhantomData,
         },
-    )
+    );
+    if K::DISPATCH_AT_ONCE {
+        // The stream's thread runs the op now rather than when its batch
+        // of queued registrations fills.
+        client.flush_queue();
+    }
+    outputs
 }

@@ -36,6 +36,15 @@ pub trait Kernel: Clone + Send + Sync + 'static {
     /// The name of the custom op a fusion stream records.
     const NAME: &'static str;
 
+    /// Whether a launch is handed to the device at once. CubeCL's device
+    /// threads and Burn's fusion stream take tasks in batches and start
+    /// a batch once it fills or someone waits; a kernel long enough that
+    /// the GPU should start on it while the host carries on (attention)
+    /// would otherwise sit queued, and a call followed by a wait (a
+    /// step's loss read, a benchmark's sample) would leave the GPU idle
+    /// until the wait.
+    const DISPATCH_AT_ONCE: bool = false;
+
     /// Launches on `CubeBackend<R, F, I, BT>` (the element types matter to
     /// kernels that fall back to the backend's own ops). Returns the
     /// outputs in the order the op declared them.
@@ -140,10 +149,23 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KernelBack
         float_outputs: Vec<TensorSpec>,
         int_outputs: Vec<TensorSpec>,
     ) -> (Vec<FloatTensor<Self>>, Vec<IntTensor<Self>>) {
-        split_outputs(float_outputs, int_outputs, |declared| {
+        let device = floats.iter().chain(&ints).next().map(|t| t.device.clone());
+        let outputs = split_outputs(float_outputs, int_outputs, |declared| {
             checked_outputs::<R, K>(kernel.launch::<R, F, I, BT>(floats, ints), declared)
-        })
+        });
+        if let Some(device) = device.filter(|_| K::DISPATCH_AT_ONCE) {
+            dispatch_queued::<R>(&device);
+        }
+        outputs
     }
+}
+
+/// Starts the tasks queued for `device`'s CubeCL thread (the launches just
+/// made among them) without waiting for them.
+fn dispatch_queued<R: CubeRuntime>(device: &R::Device) {
+    use cubecl::device::Device as _;
+    cubecl::device_handle::DeviceHandle::<<R as cubecl::Runtime>::Server>::new(device.to_id())
+        .flush_queue();
 }
 
 /// Runs `launch` on the float outputs' specs followed by the int outputs'

@@ -64,6 +64,7 @@ pub(super) struct ForwardLaunch {
 kernel!(
     ForwardLaunch,
     "bastile_attention_forward",
+    dispatch_at_once: true,
     |op, mut floats, mut ints| {
         let sinks = if op.has_sinks { floats.pop() } else { None };
         let [q, k, v] = unpack(floats);
@@ -101,6 +102,7 @@ pub(super) struct BackwardLaunch {
 kernel!(
     BackwardLaunch,
     "bastile_attention_backward",
+    dispatch_at_once: true,
     |op, mut floats, mut ints| {
         let sinks = if op.has_sinks { floats.pop() } else { None };
         let [q, k, v, out, lse, dout] = unpack(floats);
