@@ -149,11 +149,13 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KernelBack
         float_outputs: Vec<TensorSpec>,
         int_outputs: Vec<TensorSpec>,
     ) -> (Vec<FloatTensor<Self>>, Vec<IntTensor<Self>>) {
-        let device = floats.iter().chain(&ints).next().map(|t| t.device.clone());
+        let dispatch = K::DISPATCH_AT_ONCE
+            .then(|| floats.iter().chain(&ints).next().map(|t| t.device.clone()))
+            .flatten();
         let outputs = split_outputs(float_outputs, int_outputs, |declared| {
             checked_outputs::<R, K>(kernel.launch::<R, F, I, BT>(floats, ints), declared)
         });
-        if let Some(device) = device.filter(|_| K::DISPATCH_AT_ONCE) {
+        if let Some(device) = dispatch {
             dispatch_queued::<R>(&device);
         }
         outputs
