@@ -82,8 +82,9 @@ kernel!(
             AttentionPlan::MatrixProducts { block_rows } => {
                 products::forward::<R, F, I, BT>(tensors, op.spec, block_rows)
             }
-            AttentionPlan::TensorCores { cudnn, .. } => forward(tensors, op.spec, true, cudnn),
-            AttentionPlan::Tiled => forward(tensors, op.spec, false, false),
+            AttentionPlan::TensorCores { .. } | AttentionPlan::Tiled => {
+                forward(tensors, op.spec, op.plan)
+            }
         };
         vec![out, lse]
     }
@@ -121,11 +122,9 @@ kernel!(
             AttentionPlan::MatrixProducts { block_rows } => {
                 products::backward::<R, F, I, BT>(tensors, out, lse, dout, spec, block_rows)
             }
-            AttentionPlan::TensorCores {
-                cudnn,
-                deterministic,
-            } => backward(tensors, out, lse, dout, spec, (true, cudnn, deterministic)),
-            AttentionPlan::Tiled => backward(tensors, out, lse, dout, spec, (false, false, false)),
+            AttentionPlan::TensorCores { .. } | AttentionPlan::Tiled => {
+                backward(tensors, out, lse, dout, spec, plan)
+            }
         };
         [Some(g.q), Some(g.k), Some(g.v), g.sinks]
             .into_iter()
@@ -275,17 +274,22 @@ impl<R: CubeRuntime> LaidOut<R> {
     }
 }
 
-/// Runs cuDNN's launch when asked, else (or when it refuses the problem)
-/// the tensor-core launch when asked, and the tiled one otherwise or when
-/// the tensor cores refuse the problem or layout; `kernel` names the launch
-/// in a [launch failure](crate::launch_failure).
+/// Runs `plan`'s launches: cuDNN's when it asks for them, else (or when
+/// cuDNN refuses the problem) the tensor-core launch when it asks for the
+/// tensor cores, and the tiled one otherwise or when the tensor cores
+/// refuse the problem or layout; `kernel` names the launch in a [launch
+/// failure](crate::launch_failure).
 fn cudnn_tensor_cores_or_tiled(
-    (cudnn, tensor_cores): (bool, bool),
+    plan: AttentionPlan,
     fused: impl FnOnce() -> Result<(), KernelError>,
     mma: impl FnOnce() -> Result<(), KernelError>,
     tiled: impl Fn() -> Result<(), KernelError>,
     kernel: &str,
 ) {
+    let (cudnn, tensor_cores) = match plan {
+        AttentionPlan::TensorCores { cudnn, .. } => (cudnn, true),
+        AttentionPlan::MatrixProducts { .. } | AttentionPlan::Tiled => (false, false),
+    };
     launch(kernel, || {
         if cudnn {
             match fused() {
@@ -302,12 +306,11 @@ fn cudnn_tensor_cores_or_tiled(
     });
 }
 
-/// The tiled, (`tensor_cores`) tensor-core or (`cudnn`) cuDNN forward.
+/// The cuDNN, tensor-core or tiled forward, as `plan` says.
 fn forward<R: CubeRuntime>(
     t: Forwarded<R>,
     spec: AttentionSpec,
-    tensor_cores: bool,
-    cudnn: bool,
+    plan: AttentionPlan,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     let problem = checked_problem(&t, &spec);
     let t = LaidOut::new(t);
@@ -326,7 +329,7 @@ fn forward<R: CubeRuntime>(
     };
     let (client, device) = (&t.q.client, &t.q.device);
     cudnn_tensor_cores_or_tiled(
-        (cudnn, tensor_cores),
+        plan,
         || cudnn::forward::<R>(client, device, &problem, &buffers),
         || attention::mma::forward(client, device, &problem, &buffers),
         || attention::forward(client, device, &problem, &buffers),
@@ -335,16 +338,23 @@ fn forward<R: CubeRuntime>(
     (out, lse)
 }
 
-/// The tiled, (`tensor_cores`) tensor-core or (`cudnn`) cuDNN backward;
-/// on the tensor cores with `deterministic`, the form without atomics.
+/// The cuDNN, tensor-core or tiled backward, as `plan` says; on the
+/// tensor cores of a deterministic plan, the form without atomics.
 fn backward<R: CubeRuntime>(
     t: Forwarded<R>,
     out: CubeTensor<R>,
     lse: CubeTensor<R>,
     dout: CubeTensor<R>,
     spec: AttentionSpec,
-    (tensor_cores, cudnn, deterministic): (bool, bool, bool),
+    plan: AttentionPlan,
 ) -> AttentionGrads<CubeTensor<R>> {
+    let deterministic = matches!(
+        plan,
+        AttentionPlan::TensorCores {
+            deterministic: true,
+            ..
+        }
+    );
     let problem = checked_problem(&t, &spec);
     let t = LaidOut::new(t);
     let (_out, out_l) = heads(out);
@@ -377,7 +387,7 @@ fn backward<R: CubeRuntime>(
     };
     let (client, device) = (&t.q.client, &t.q.device);
     cudnn_tensor_cores_or_tiled(
-        (cudnn, tensor_cores),
+        plan,
         || cudnn::backward::<R>(client, device, &problem, &buffers),
         || match deterministic {
             true => attention::mma::backward_deterministic(client, &problem, &buffers),
