@@ -12,7 +12,7 @@ use cudarc::driver::sys::{CUcontext, CUdeviceptr, CUstream};
 
 use super::algo::{AlgoKey, Prepared};
 use crate::KernelError;
-use crate::cuda_stream::PerDevice;
+use crate::cuda_stream::{InContext, PerDevice};
 
 /// 32 MiB: what NVIDIA recommends for Hopper's cuBLASLt kernels.
 pub const WORKSPACE_BYTES: usize = 32 << 20;
@@ -70,17 +70,19 @@ impl DeviceState {
         self.workspaces.insert(stream as usize, w);
         Ok(w)
     }
+}
 
-    /// Makes this device's context current on the calling thread.
-    pub fn make_current(&self) -> Result<(), KernelError> {
-        crate::cuda_stream::make_current(self.ctx)
+impl InContext for DeviceState {
+    fn context(&self) -> CUcontext {
+        self.ctx
     }
 }
 
 /// Per device ordinal, created on first use.
 static DEVICES: PerDevice<DeviceState> = PerDevice::new();
 
-/// Runs `f` with the device's state, creating it on first use.
+/// Runs `f` with the device's state (its context current), creating it on
+/// first use.
 pub fn with_device<T>(
     index: usize,
     f: impl FnOnce(&mut DeviceState) -> Result<T, KernelError>,

@@ -146,10 +146,7 @@ pub fn gemm(
             .as_ref()
             .map_or(0, |b| b.offset_start.unwrap_or(0)),
     ]);
-    device::with_device(index, |dev| {
-        dev.make_current()?;
-        prepared(dev, expected).map(|_| ())
-    })?;
+    device::with_device(index, |dev| prepared(dev, expected).map(|_| ()))?;
     cuda_stream::submit(
         client,
         index,
@@ -276,7 +273,6 @@ fn launch(
     let (elem, out_elem) = call.element_bytes();
 
     device::with_device(index, |dev| {
-        dev.make_current()?;
         let own_stream = dev.stream;
         cuda_stream::ordered(order, dev, own_stream, |dev, stream| {
             let workspace = dev.workspace_for(stream)?;

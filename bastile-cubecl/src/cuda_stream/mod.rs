@@ -185,10 +185,16 @@ pub(crate) fn context_and_stream(index: usize) -> Result<(CUcontext, CUstream), 
 }
 
 /// Makes `ctx` (from [`context_and_stream`]) current on the calling thread.
-pub(crate) fn make_current(ctx: CUcontext) -> Result<(), KernelError> {
+fn make_current(ctx: CUcontext) -> Result<(), KernelError> {
     // SAFETY: `ctx` is retained for the process's lifetime.
     unsafe { drv::ctx::set_current(ctx) }
         .map_err(|e| KernelError::Launch(format!("cuCtxSetCurrent: {e:?}")))
+}
+
+/// A library's state on one CUDA device, which holds the context (from
+/// [`context_and_stream`]) its calls run in.
+pub(crate) trait InContext {
+    fn context(&self) -> CUcontext;
 }
 
 /// A library's state per CUDA device ordinal, created on first use; a
@@ -200,7 +206,7 @@ pub(crate) struct PerDevice<S> {
 
 type Slot<S> = Arc<Mutex<Option<Result<S, KernelError>>>>;
 
-impl<S> PerDevice<S> {
+impl<S: InContext> PerDevice<S> {
     pub(crate) const fn new() -> Self {
         Self {
             slots: Mutex::new(Vec::new()),
@@ -208,7 +214,7 @@ impl<S> PerDevice<S> {
     }
 
     /// Runs `f` with device `index`'s state, created by `init` on first
-    /// use.
+    /// use, its context current on the calling thread.
     pub(crate) fn with<T>(
         &self,
         index: usize,
@@ -224,7 +230,10 @@ impl<S> PerDevice<S> {
         };
         let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
         match slot.get_or_insert_with(|| init(index)) {
-            Ok(state) => f(state),
+            Ok(state) => {
+                make_current(state.context())?;
+                f(state)
+            }
             Err(e) => Err(e.clone()),
         }
     }

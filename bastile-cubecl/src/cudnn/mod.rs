@@ -17,7 +17,7 @@ use cudarc::driver::sys::{CUcontext, CUstream};
 pub(crate) use graph::{Graph, Layout, Plan, SCALAR, Scalar, Storage, Uid};
 
 use crate::KernelError;
-use crate::cuda_stream::PerDevice;
+use crate::cuda_stream::{InContext, PerDevice};
 
 /// What cuDNN needs per CUDA device: CubeCL's context, the library handle
 /// and a stream of our own (for calls ordered by host synchronization).
@@ -58,10 +58,11 @@ impl DeviceState {
             stream,
         })
     }
+}
 
-    /// Makes this device's context current on the calling thread.
-    pub fn make_current(&self) -> Result<(), KernelError> {
-        crate::cuda_stream::make_current(self.ctx)
+impl InContext for DeviceState {
+    fn context(&self) -> CUcontext {
+        self.ctx
     }
 }
 
@@ -73,10 +74,7 @@ pub(crate) fn with_device<T>(
     index: usize,
     f: impl FnOnce(&mut DeviceState) -> Result<T, KernelError>,
 ) -> Result<T, KernelError> {
-    DEVICES.with(index, DeviceState::new, |dev| {
-        dev.make_current()?;
-        f(dev)
-    })
+    DEVICES.with(index, DeviceState::new, f)
 }
 
 /// Whether cuDNN 9 can be used on CUDA device `index` (the library loads
