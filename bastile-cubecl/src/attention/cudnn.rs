@@ -485,9 +485,10 @@ pub fn forward(
     on_error: impl FnOnce(KernelError) + Send + 'static,
 ) -> Result<(), KernelError> {
     let (p, b) = (problem, buffers);
-    ready(p, &b.layouts())?;
+    let layouts = b.layouts();
+    ready(p, &layouts)?;
     b.check(p)?;
-    let key = PlanKey::new(index, p, false, &b.layouts());
+    let key = PlanKey::new(index, p, false, &layouts);
     let tensors = vec![
         (Q, b.q.handle.clone()),
         (K, b.k.handle.clone()),
@@ -509,9 +510,10 @@ pub fn backward(
     on_error: impl FnOnce(KernelError) + Send + 'static,
 ) -> Result<(), KernelError> {
     let (p, b) = (problem, buffers);
-    ready(p, &b.layouts())?;
+    let layouts = b.layouts();
+    ready(p, &layouts)?;
     b.check(p, false)?;
-    let key = PlanKey::new(index, p, true, &b.layouts());
+    let key = PlanKey::new(index, p, true, &layouts);
     let acc_bytes = p.query_rows() * p.head_dim * 4;
     let dq_acc = client.empty(acc_bytes);
     let tensors = vec![

@@ -217,6 +217,26 @@ fn ready<R: Runtime>(
     half_rows_in_vectors(layouts, "the tensor-core attention")
 }
 
+/// [`ready`] for a forward call, and its buffers fit `problem`.
+fn forward_ready<R: Runtime>(
+    client: &ComputeClient<R>,
+    problem: &AttentionProblem,
+    buffers: &AttentionForwardBuffers,
+) -> Result<(), KernelError> {
+    ready(client, problem, &buffers.layouts())?;
+    buffers.check(problem)
+}
+
+/// [`ready`] for a backward call, and its buffers fit `problem`.
+fn backward_ready<R: Runtime>(
+    client: &ComputeClient<R>,
+    problem: &AttentionProblem,
+    buffers: &AttentionBackwardBuffers,
+) -> Result<(), KernelError> {
+    ready(client, problem, &buffers.layouts())?;
+    buffers.check(problem, false)
+}
+
 /// Launches the forward with one explicit configuration.
 pub fn forward_with<R: Runtime>(
     client: &ComputeClient<R>,
@@ -224,9 +244,8 @@ pub fn forward_with<R: Runtime>(
     buffers: &AttentionForwardBuffers,
     config: &MmaLaunch,
 ) -> Result<(), KernelError> {
+    forward_ready(client, problem, buffers)?;
     let b = buffers;
-    ready(client, problem, &b.layouts())?;
-    b.check(problem)?;
     let t = config.check(client, problem, false)?;
     let p = problem;
     let q_blocks = p.seq_q.div_ceil(config.rows());
@@ -258,10 +277,8 @@ pub fn backward_with<R: Runtime>(
     buffers: &AttentionBackwardBuffers,
     config: &MmaLaunch,
 ) -> Result<(), KernelError> {
+    backward_ready(client, problem, buffers)?;
     let b = buffers;
-    let layouts = b.layouts();
-    ready(client, problem, &layouts)?;
-    b.check(problem, false)?;
     let t = config.check(client, problem, true)?;
     let p = problem;
     let rows = p.query_rows();
@@ -450,9 +467,7 @@ pub fn forward<R: Runtime>(
     problem: &AttentionProblem,
     buffers: &AttentionForwardBuffers,
 ) -> Result<(), KernelError> {
-    let b = buffers;
-    ready(client, problem, &b.layouts())?;
-    b.check(problem)?;
+    forward_ready(client, problem, buffers)?;
     let (id, key, list) = tuned_candidates(client, device, problem, false);
     run_tuned(
         &FORWARD_TUNER,
@@ -473,9 +488,7 @@ pub fn backward<R: Runtime>(
     problem: &AttentionProblem,
     buffers: &AttentionBackwardBuffers,
 ) -> Result<(), KernelError> {
-    let b = buffers;
-    ready(client, problem, &b.layouts())?;
-    b.check(problem, false)?;
+    backward_ready(client, problem, buffers)?;
     let (id, key, list) = tuned_candidates(client, device, problem, true);
     run_tuned(
         &BACKWARD_TUNER,
@@ -498,9 +511,7 @@ pub fn backward_deterministic<R: Runtime>(
     problem: &AttentionProblem,
     buffers: &AttentionBackwardBuffers,
 ) -> Result<(), KernelError> {
-    let b = buffers;
-    ready(client, problem, &b.layouts())?;
-    b.check(problem, false)?;
+    backward_ready(client, problem, buffers)?;
     match candidates(client, problem, true)
         .into_iter()
         .find(|c| !c.fused_dq)
