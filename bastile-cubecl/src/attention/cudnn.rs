@@ -20,7 +20,7 @@ use std::sync::{LazyLock, Mutex};
 
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::ComputeClient;
-use cubecl::server::Handle;
+use cubecl::server::{Binding, Handle};
 use cudarc::cudnn::sys::{
     cudnnDataType_t as DataType, cudnnPointwiseMode_t as Pointwise, cudnnReduceTensorOp_t as Reduce,
 };
@@ -465,11 +465,11 @@ fn ready(p: &AttentionProblem, layouts: &[&HeadLayout]) -> Result<(), KernelErro
 /// device thread.
 struct Call {
     key: PlanKey,
-    buffers: Vec<(Uid, Handle)>,
+    buffers: Vec<(Uid, Binding)>,
     scalars: Vec<Scalar>,
-    workspace: Handle,
+    workspace: Binding,
     /// A buffer the call needs zeroed first, and its bytes.
-    zeroed: Option<(Handle, usize)>,
+    zeroed: Option<(Binding, usize)>,
 }
 
 /// Runs the forward on CUDA device `index` through cuDNN.
@@ -562,10 +562,13 @@ fn run(
     }
     let call = Call {
         key,
-        buffers,
+        buffers: buffers
+            .iter()
+            .map(|(uid, h)| (*uid, cuda_stream::as_queued(h)))
+            .collect(),
         scalars,
-        workspace: client.empty(workspace.max(16)),
-        zeroed,
+        workspace: cuda_stream::as_queued(&client.empty(workspace.max(16))),
+        zeroed: zeroed.map(|(h, bytes)| (cuda_stream::as_queued(&h), bytes)),
     };
     let enqueue =
         move |order: Order<'_>, address: &mut Addresses<'_>| enqueue(order, &call, address);
@@ -576,12 +579,12 @@ fn run(
 /// device address (and keeps it alive until the call is enqueued).
 fn enqueue(order: Order<'_>, call: &Call, address: &mut Addresses<'_>) -> Result<(), KernelError> {
     let mut addresses = Vec::with_capacity(call.buffers.len());
-    for (uid, handle) in &call.buffers {
-        addresses.push((*uid, address(handle)?));
+    for (uid, buffer) in &call.buffers {
+        addresses.push((*uid, address(buffer)?));
     }
     let workspace = address(&call.workspace)?;
     let zeroed = match &call.zeroed {
-        Some((handle, bytes)) => Some((address(handle)?, *bytes)),
+        Some((buffer, bytes)) => Some((address(buffer)?, *bytes)),
         None => None,
     };
     cudnn::with_device(call.key.device, |dev| {

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::ComputeClient;
-use cubecl::server::Handle;
+use cubecl::server::{Binding, Handle};
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys::cublasLtMatmulAlgo_t;
 
@@ -182,13 +182,13 @@ fn prepared(dev: &mut DeviceState, key: AlgoKey) -> Result<&mut Prepared, Kernel
 struct Call {
     dtypes: GemmDtypes,
     plan: GemmPlan,
-    lhs: Handle,
-    rhs: Handle,
-    bias: Option<Handle>,
+    lhs: Binding,
+    rhs: Binding,
+    bias: Option<Binding>,
     /// [`bias_batch_stride`]'s answer.
     bias_batch_stride: usize,
     bias_grad: bool,
-    out: Handle,
+    out: Binding,
     scale: f32,
     accumulate: bool,
 }
@@ -198,12 +198,12 @@ impl Call {
         Self {
             dtypes,
             plan: plan.clone(),
-            lhs: buffers.lhs.clone(),
-            rhs: buffers.rhs.clone(),
-            bias: buffers.bias.cloned(),
+            lhs: cuda_stream::as_queued(buffers.lhs),
+            rhs: cuda_stream::as_queued(buffers.rhs),
+            bias: buffers.bias.map(cuda_stream::as_queued),
             bias_batch_stride: bias_batch_stride(plan, buffers),
             bias_grad: buffers.bias_grad,
-            out: buffers.out.clone(),
+            out: cuda_stream::as_queued(buffers.out),
             scale: buffers.scale,
             accumulate: buffers.accumulate,
         }

@@ -6,7 +6,13 @@
 //! thread as one of its tasks, so CUDA orders it after every kernel CubeCL
 //! issued before (the tasks queued before it) and before every later one,
 //! including one that reuses a freed operand's memory (the task holds the
-//! operands until the call is enqueued); the host never waits.
+//! operands until the call is enqueued); the host never waits. The task
+//! holds its buffers as bindings, as CubeCL's own queued kernels do, not
+//! as handles: a handle held there would count as a second owner, and
+//! every later op on the call's output or operands (an in-place add, a
+//! product summed into its output) would allocate a copy instead of
+//! writing in place, until the device thread reached the task. A write in
+//! place queued after the call runs after it on the same stream.
 //!
 //! Fallback, when that stream cannot be observed (CUPTI missing or held by
 //! a profiler) or `BASTILE_MATMUL_ORDER=host-sync` is set: the call runs on
@@ -22,7 +28,7 @@ use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::device::Device;
 use cubecl::device_handle::DeviceHandle;
 use cubecl::prelude::ComputeClient;
-use cubecl::server::{ComputeServer, Handle};
+use cubecl::server::{Binding, ComputeServer, Handle};
 use cubecl::stream_id::StreamId;
 use cudarc::driver::result as drv;
 use cudarc::driver::sys::{CUcontext, CUstream};
@@ -93,9 +99,16 @@ pub(crate) enum Order<'a> {
     HostSync(&'a ComputeClient<CudaRuntime>),
 }
 
-/// A call's way to its buffers: each handle's device address, the buffer
+/// A call's way to its buffers: each binding's device address, the buffer
 /// kept alive until the call is enqueued.
-pub(crate) type Addresses<'a> = dyn FnMut(&Handle) -> Result<u64, KernelError> + 'a;
+pub(crate) type Addresses<'a> = dyn FnMut(&Binding) -> Result<u64, KernelError> + 'a;
+
+/// A buffer as a queued call holds it: alive until the call is enqueued,
+/// without counting as an owner that keeps later ops from writing it in
+/// place (see the module's doc).
+pub(crate) fn as_queued(handle: &Handle) -> Binding {
+    handle.clone().binding()
+}
 
 /// Hands `enqueue` (a library call on CUDA device `index`) the order it
 /// runs in and its buffers' addresses: as a task of CubeCL's device thread
@@ -110,11 +123,18 @@ pub(crate) fn submit(
 ) -> Result<(), KernelError> {
     let address_error =
         |e: &dyn std::fmt::Debug| KernelError::Launch(format!("buffer address: {e:?}"));
+    let device =
+        || DeviceHandle::<<CudaRuntime as Runtime>::Server>::new(CudaDevice { index }.to_id());
     let Some(stream) = same_stream(client, index) else {
+        // Resolved here, on the caller's stream, as `get_resource` does
+        // for a handle.
+        let stream_id = StreamId::current();
         let mut held = Vec::new();
-        let mut address = |h: &Handle| {
-            let r = client
-                .get_resource(h.clone())
+        let mut address = |b: &Binding| {
+            let b = b.clone();
+            let r = device()
+                .submit_blocking(move |server| server.get_resource(b, stream_id))
+                .map_err(|e| address_error(&e))?
                 .map_err(|e| address_error(&e))?;
             let ptr = r.resource().ptr;
             held.push(r);
@@ -125,25 +145,23 @@ pub(crate) fn submit(
     // The stream crosses to the device thread as an address (raw pointers
     // are not `Send`).
     let stream = stream as usize;
-    DeviceHandle::<<CudaRuntime as Runtime>::Server>::new(CudaDevice { index }.to_id()).submit(
-        move |server| {
-            // The device thread runs each task under the stream id it was
-            // submitted from: the caller's CubeCL stream.
-            let stream_id = StreamId::current();
-            let mut held = Vec::new();
-            let mut address = |h: &Handle| {
-                let r = server
-                    .get_resource(h.clone().binding(), stream_id)
-                    .map_err(|e| address_error(&e))?;
-                let ptr = r.resource().ptr;
-                held.push(r);
-                Ok(ptr)
-            };
-            if let Err(e) = enqueue(Order::Stream(stream as CUstream), &mut address) {
-                on_error(e);
-            }
-        },
-    );
+    device().submit(move |server| {
+        // The device thread runs each task under the stream id it was
+        // submitted from: the caller's CubeCL stream.
+        let stream_id = StreamId::current();
+        let mut held = Vec::new();
+        let mut address = |b: &Binding| {
+            let r = server
+                .get_resource(b.clone(), stream_id)
+                .map_err(|e| address_error(&e))?;
+            let ptr = r.resource().ptr;
+            held.push(r);
+            Ok(ptr)
+        };
+        if let Err(e) = enqueue(Order::Stream(stream as CUstream), &mut address) {
+            on_error(e);
+        }
+    });
     Ok(())
 }
 
