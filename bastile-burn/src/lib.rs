@@ -89,7 +89,8 @@ pub use ops::attention::{
 };
 pub use ops::combine_rows::combine_rows;
 pub use ops::cross_entropy::{
-    CrossEntropyOptions, CrossEntropyOutput, LabelCheck, Reduction, cross_entropy, first_flagged,
+    CrossEntropyOptions, CrossEntropyOutput, LabelCheck, Reduction, WeightGradSum, cross_entropy,
+    first_flagged,
 };
 pub use ops::embedding::{add_embedding_grad, embedding};
 pub use ops::expert_groups::{ExpertGroups, group_by_expert, group_capacity};

@@ -6,8 +6,8 @@
 use crate::common::*;
 use bastile::nn::{CrossEntropyLossConfig, LinearCrossEntropyLossConfig};
 use bastile::{
-    Bastile, BastileBackend, BastileError, CrossEntropyOptions, Reduction, cross_entropy,
-    linear_cross_entropy,
+    Bastile, BastileBackend, BastileError, CrossEntropyOptions, Reduction, WeightGradSum,
+    cross_entropy, linear_cross_entropy,
 };
 use bastile_cubecl::reference::cross_entropy::{self as reference, Options};
 use bastile_cubecl::testing::{Rng, assert_close, assert_close_to_magnitude, round_to};
@@ -238,12 +238,25 @@ backend_test! {
         let base = CrossEntropyOptions::default().with_chunk_size(16);
         let cases = [
             (base, true, 4),
-            (base.with_reduction(Reduction::Sum), false, 3),
+            // The weight's gradient summed over the chunks rather than
+            // from a second pass over vocabulary slices.
+            (
+                base.with_reduction(Reduction::Sum)
+                    .with_weight_grad_sum(WeightGradSum::Chunks),
+                false,
+                3,
+            ),
             (base.with_reduction(Reduction::None), true, 5),
             // One chunk for all 37 tokens: the weight gradient comes from a
             // single product, with no accumulation across chunks.
             (base.with_chunk_size(64).with_label_smoothing(0.1), false, 0),
-            (base.with_z_loss(1e-2).with_normalizer(50.0), true, 2),
+            (
+                base.with_z_loss(1e-2)
+                    .with_normalizer(50.0)
+                    .with_weight_grad_sum(WeightGradSum::Chunks),
+                true,
+                2,
+            ),
             (base.with_softcap(2.0), false, 6),
             (
                 base.with_ignore_index(3)

@@ -4,7 +4,9 @@
 use burn::config::Config;
 use burn::tensor::{Int, Tensor};
 
-use crate::ops::cross_entropy::{CrossEntropyOptions, CrossEntropyOutput, Reduction};
+use crate::ops::cross_entropy::{
+    CrossEntropyOptions, CrossEntropyOutput, Reduction, WeightGradSum,
+};
 use crate::ops::linear_cross_entropy::linear_cross_entropy;
 use crate::{BastileBackend, BastileError};
 
@@ -27,6 +29,9 @@ pub struct LinearCrossEntropyLossConfig {
     pub softcap: Option<f64>,
     /// Tokens per chunk (chosen automatically when unset).
     pub chunk_size: Option<usize>,
+    /// How the weight's gradient sums over several chunks.
+    #[config(default = "WeightGradSum::Exact")]
+    pub weight_grad_sum: WeightGradSum,
 }
 
 impl LinearCrossEntropyLossConfig {
@@ -41,6 +46,7 @@ impl LinearCrossEntropyLossConfig {
                 z_loss: self.z_loss,
                 softcap: self.softcap,
                 chunk_size: self.chunk_size,
+                weight_grad_sum: self.weight_grad_sum,
                 defer_label_check: false,
             },
         }

@@ -37,7 +37,7 @@ pub(crate) use labels::{CheckedLabels, check_labels};
 pub use labels::{LabelCheck, first_flagged};
 use options::host_divisor;
 pub(crate) use options::spec;
-pub use options::{CrossEntropyOptions, LossPair, LossSpec, Reduction};
+pub use options::{CrossEntropyOptions, LossPair, LossSpec, Reduction, WeightGradSum};
 
 /// A loss and its statistics.
 #[derive(Clone, Debug)]

@@ -17,6 +17,28 @@ pub enum Reduction {
     None,
 }
 
+/// How the fused linear cross-entropy sums the weight's gradient over
+/// several chunks of tokens.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+pub enum WeightGradSum {
+    /// A second pass over slices of the vocabulary takes each slice's
+    /// gradient as one product over every token, rounded once: the
+    /// logits of every token are computed again (four products over the
+    /// logits instead of three). Its peak holds `dW` and one small slice
+    /// of logits.
+    #[default]
+    Exact,
+    /// Each chunk's product is added into the gradient in the weight's
+    /// dtype, which rounds the running sum once per chunk (Liger-Kernel's
+    /// default): three products over the logits, and the cross-entropy
+    /// kernel runs once. `dW` is then held through the forward pass's
+    /// chunk loop beside a chunk of logits (up to 256 MiB), so the peak
+    /// can be that chunk's size above [`WeightGradSum::Exact`]'s.
+    Chunks,
+}
+
 /// Options of the cross-entropy losses.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CrossEntropyOptions {
@@ -36,6 +58,9 @@ pub struct CrossEntropyOptions {
     /// Tokens per chunk of the fused linear cross-entropy; chosen from the
     /// token count, vocabulary and device memory when `None`.
     pub chunk_size: Option<usize>,
+    /// How the fused linear cross-entropy sums the weight's gradient when
+    /// its tokens take several chunks.
+    pub weight_grad_sum: WeightGradSum,
     /// Check the labels on the device and hand the result back as
     /// [`CrossEntropyOutput::label_check`](super::CrossEntropyOutput::label_check)
     /// instead of waiting for it: the loss is queued without reading
@@ -55,6 +80,7 @@ impl Default for CrossEntropyOptions {
             z_loss: 0.0,
             softcap: None,
             chunk_size: None,
+            weight_grad_sum: WeightGradSum::Exact,
             defer_label_check: false,
         }
     }
@@ -100,6 +126,14 @@ impl CrossEntropyOptions {
     pub fn with_chunk_size(self, chunk_size: usize) -> Self {
         Self {
             chunk_size: Some(chunk_size),
+            ..self
+        }
+    }
+
+    /// See [`CrossEntropyOptions::weight_grad_sum`].
+    pub fn with_weight_grad_sum(self, weight_grad_sum: WeightGradSum) -> Self {
+        Self {
+            weight_grad_sum,
             ..self
         }
     }
@@ -155,6 +189,7 @@ pub struct LossSpec {
     /// Multiplies the summed loss (`Mean`, `Sum`) and every gradient.
     pub scale: f64,
     pub chunk_size: Option<usize>,
+    pub weight_grad_sum: WeightGradSum,
 }
 
 impl LossSpec {
@@ -169,6 +204,7 @@ impl LossSpec {
             softcap: None,
             scale: 1.0,
             chunk_size: None,
+            weight_grad_sum: WeightGradSum::Exact,
         }
     }
 }
@@ -201,5 +237,6 @@ pub(crate) fn spec(
         softcap: options.softcap,
         scale,
         chunk_size: options.chunk_size,
+        weight_grad_sum: options.weight_grad_sum,
     })
 }

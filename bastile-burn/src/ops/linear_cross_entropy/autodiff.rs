@@ -1,12 +1,12 @@
 //! The fused linear cross-entropy's autodiff nodes. With `Mean` / `Sum`
 //! the input's (and bias's) gradients come out of the forward pass and the
 //! backward pass only scales them by the upstream gradient; so does the
-//! weight's when one chunk covers every token, else the backward pass
-//! computes it over vocabulary slices with the upstream gradient folded
-//! in (the pass the forward would have run, without a weight-sized
-//! multiply and its second weight-sized buffer afterwards). With `None`
-//! the backward pass recomputes the chunks with the per-token upstream
-//! gradients.
+//! weight's when the chunks' products give it (one chunk, or
+//! [`WeightGradSum::Chunks`]), else the backward pass computes it over
+//! vocabulary slices with the upstream gradient folded in (the pass the
+//! forward would have run, without a weight-sized multiply afterwards).
+//! With `None` the backward pass recomputes the chunks with the per-token
+//! upstream gradients.
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::{FloatTensor, IntTensor};
@@ -23,7 +23,7 @@ use super::{
 };
 use crate::BastileBackend;
 use crate::fused::{In, Out, register_grads};
-use crate::ops::cross_entropy::{LossPair, Reduction};
+use crate::ops::cross_entropy::{LossPair, Reduction, WeightGradSum};
 use crate::ops::{f32_of, float};
 
 /// `g` times the upstream scalar gradient `dloss`.
@@ -41,8 +41,8 @@ fn scaled<B: Backend>(g: FloatTensor<B>, dloss: &Tensor<B, 1>) -> FloatTensor<B>
 /// What the forward pass of a `Mean` / `Sum` loss leaves its backward pass.
 #[derive(Debug, Clone)]
 enum Precomputed<B: Backend> {
-    /// Every gradient (`hidden, weight, bias?`), from one chunk of every
-    /// token.
+    /// Every gradient (`hidden, weight, bias?`), the weight's from the
+    /// chunks' products.
     All(Vec<FloatTensor<B>>),
     /// The input's and the bias's gradients, and what the weight's is
     /// computed from.
@@ -88,13 +88,15 @@ impl<B: BastileBackend, const P: usize> Backward<B, P> for ScaledNode<P> {
     }
 }
 
-/// Whether the fused loop covers all `tokens` in one chunk, so that the
-/// weight's gradient comes from the forward's own product (the largest
-/// allocation the device allows is taken as unbounded: a device that
-/// bounds the chunk more computes the weight's gradient in its forward's
-/// second pass instead, the same result).
-fn one_chunk(tokens: usize, vocab: usize, dtype: DType, spec: &LossSpec) -> bool {
-    chunk_rows(tokens, vocab, dtype.size(), u64::MAX, spec.chunk_size) >= tokens
+/// Whether the weight's gradient comes from the forward's own chunk
+/// products: summed over the chunks ([`WeightGradSum::Chunks`]), or the
+/// one product of a chunk covering all `tokens` (the largest allocation
+/// the device allows taken as unbounded: a device that bounds the chunk
+/// more computes the weight's gradient in its forward's second pass
+/// instead, the same result).
+fn weight_grad_in_forward(tokens: usize, vocab: usize, dtype: DType, spec: &LossSpec) -> bool {
+    spec.weight_grad_sum == WeightGradSum::Chunks
+        || chunk_rows(tokens, vocab, dtype.size(), u64::MAX, spec.chunk_size) >= tokens
 }
 
 /// What the deferred backward pass recomputes from.
@@ -176,7 +178,7 @@ fn node<B: BastileBackend, C: CheckpointStrategy, const P: usize>(
         {
             OpsKind::Tracked(prep) => {
                 let (tokens, vocab) = (hidden.shape()[0], weight.shape()[0]);
-                if one_chunk(tokens, vocab, hidden.dtype(), &spec) {
+                if weight_grad_in_forward(tokens, vocab, hidden.dtype(), &spec) {
                     let with_grads = LinearCrossEntropyWithGrads { spec };
                     let ((loss, lse), g) = B::run(&with_grads, (hidden, weight, bias, labels));
                     (prep.finish(Precomputed::All(g.into_vec()), loss), lse)

@@ -4,14 +4,17 @@
 //! the cross-entropy kernel turns them into their gradient in place, then
 //! `dh_c = dlogits · W` (and `db` sums in f32). When one chunk covers every
 //! token, `dW = dlogitsᵀ · h` follows from the same logits. With several
-//! chunks a second pass takes `dW` by slices of the vocabulary: each
-//! slice's logits for every token are computed again, turned into their
-//! gradient from the rows' `lse`, and `dW_s = dlogits_sᵀ · h` is one
-//! product over every token, written into `dW`'s rows. So `dW` is summed
-//! in f32 inside the products and rounded once, with no f32 `V × H`
-//! accumulator, for a third more matmul work than one pass. Extra memory:
-//! one chunk of logits (at most [`LOGITS_BYTES`]) in the first pass, one
-//! slice (at most [`SLICE_LOGITS_BYTES`]) beside `dW` in the second. A
+//! chunks, [`WeightGradSum::Exact`] (the default) takes `dW` in a second
+//! pass by slices of the vocabulary: each slice's logits for every token
+//! are computed again, turned into their gradient from the rows' `lse`, and
+//! `dW_s = dlogits_sᵀ · h` is one product over every token, written into
+//! `dW`'s rows. So `dW` is summed in f32 inside the products and rounded
+//! once, with no f32 `V × H` accumulator, for a third more matmul work.
+//! [`WeightGradSum::Chunks`] instead adds each chunk's `dlogits_cᵀ · h_c`
+//! into `dW` in the weight's dtype (the epilogue's sum on cuBLASLt, in
+//! place), rounding once per chunk. Extra memory: one chunk of logits (at
+//! most [`LOGITS_BYTES`]) in the first pass (beside `dW` with `Chunks`),
+//! one slice (at most [`SLICE_LOGITS_BYTES`]) beside `dW` in the second. A
 //! differentiated mean or sum runs the second pass in the backward pass
 //! ([`Pass::WeightGrad`]), where the upstream gradient is known and folds
 //! into the logits' gradient.
@@ -25,8 +28,8 @@ use bastile_cubecl::cross_entropy::{CrossEntropyMode, VocabSlice};
 use crate::backend::matmul::{matmul_blas_into_rows, product};
 use crate::fused::cube::{as_rows, contiguous_i32, empty_like, stride_multiple};
 use crate::fused::{kernel, kernel_dtype};
-use crate::ops::cross_entropy::LossSpec;
 use crate::ops::cross_entropy::kernel::{Launch, problem};
+use crate::ops::cross_entropy::{LossSpec, WeightGradSum};
 
 type Cube<R, F, I, BT> = CubeBackend<R, F, I, BT>;
 
@@ -254,14 +257,15 @@ fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
         }
         as_rows(prim(logits))
     };
-    let single_chunk = chunk >= n;
+    // Whether the chunks' products give `dW` (else the second pass does).
+    let chunks_sum_dw = chunk >= n || spec.weight_grad_sum == WeightGradSum::Chunks;
     let first_pass = pass != Pass::WeightGrad;
     let mut losses = Vec::new();
     let mut lses = Vec::new();
     let mut dh = Vec::new();
-    // With one chunk, `dW` is that chunk's product; with several, the
-    // second pass below computes it.
-    let mut dw = None;
+    // The chunks' products summed so far, or `None` for the second pass
+    // below.
+    let mut dw: Option<Tensor<Cube<R, F, I, BT>, 2>> = None;
     // `db` sums in f32 across chunks (a vocabulary of floats).
     let mut db: Option<Tensor<Cube<R, F, I, BT>, 1>> = None;
     // The weight-gradient pass skips the chunks: it is the second pass
@@ -307,8 +311,15 @@ fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
         // The logits now hold their gradient.
         let dlogits = float::<R, F, I, BT, 2>(logits);
         dh.push(mm(dlogits.clone(), w.clone(), dtype));
-        if single_chunk && pass.returns_weight_grad() {
-            dw = Some(mm(dlogits.clone().transpose(), hc, dtype));
+        if chunks_sum_dw && pass.returns_weight_grad() {
+            let summed = dw.take().map(prim);
+            dw = Some(float(product::<R, F, I, BT>(
+                &prim(dlogits.clone().transpose()),
+                &prim(hc),
+                1.0,
+                dtype,
+                summed,
+            )));
         }
         if b.is_some() {
             let db_c = dlogits.sum_dim(0).reshape([vocab]).cast(DType::F32);
@@ -333,13 +344,13 @@ fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
         if let Some(dw) = dw {
             return dw;
         }
-        // Several chunks: `dW` slice by vocabulary slice, each the product
-        // over every token at once (summed in f32 inside the product,
-        // rounded once), from its columns' logits computed again and
-        // turned into their gradient with the rows' `lse`. Summing the
-        // chunks' products instead would take an f32 `V × H` accumulator
-        // (4·V·H bytes), or round the sum to the weight's dtype at every
-        // chunk.
+        // `WeightGradSum::Exact` over several chunks: `dW` slice by
+        // vocabulary slice, each the product over every token at once
+        // (summed in f32 inside the product, rounded once), from its
+        // columns' logits computed again and turned into their gradient
+        // with the rows' `lse`. Summing the chunks' products rounds the sum
+        // to the weight's dtype at every chunk, or would take an f32
+        // `V × H` accumulator (4·V·H bytes).
         let (lse, row_scale) = match (&row_inputs, &stats) {
             (Some((lse, dloss)), _) => (prim(lse.clone()), Some(prim(dloss.clone()))),
             (None, Some((_, lse))) => (lse.clone(), None),

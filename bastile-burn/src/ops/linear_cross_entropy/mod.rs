@@ -7,12 +7,16 @@
 //! The fused path works over token chunks: each chunk's logits are computed,
 //! turned into their gradient in place by the cross-entropy kernel, and
 //! multiplied back into `d_hidden`; `d_weight` comes from the same chunk
-//! when one covers every token, else from a second pass over vocabulary
-//! slices (see `kernel.rs`). The extra memory is one chunk of logits.
+//! when one covers every token, else (by default,
+//! [`WeightGradSum::Exact`](crate::WeightGradSum::Exact)) from a second
+//! pass over vocabulary slices, or, with
+//! [`WeightGradSum::Chunks`](crate::WeightGradSum::Chunks), from the
+//! chunks' products summed in the weight's dtype (see `kernel.rs`). The
+//! extra memory is one chunk of logits.
 //! With `Mean` / `Sum` the gradients are computed during the forward pass
 //! (when anything requires them) and only scaled by the upstream gradient
-//! in the backward pass, except `d_weight` from several chunks: the
-//! backward pass runs its pass over vocabulary slices, the upstream
+//! in the backward pass, except an exact `d_weight` from several chunks:
+//! the backward pass runs its pass over vocabulary slices, the upstream
 //! gradient folded in. With `None` the backward pass recomputes the chunks
 //! with the per-token upstream gradients.
 
