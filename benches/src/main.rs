@@ -189,6 +189,11 @@ pub struct Args {
     /// gradient checkpointing on the PyTorch side).
     #[arg(long, value_name = "N", num_args = 0..=1, default_missing_value = "1")]
     pub checkpointing: Option<std::num::NonZeroUsize>,
+    /// Training: how Bastile's fused loss sums the output layer's gradient
+    /// over its chunks of tokens (`bastile finetune`'s option of the same
+    /// name); `chunks` rows are named so.
+    #[arg(long, value_enum, default_value = "exact", value_name = "HOW")]
+    pub loss_weight_grad_sum: bastile_cli::WeightGradSumArg,
     /// Training: GPU counts to train on data-parallel, e.g. `1,2,4`: one
     /// worker per GPU, each with its own micro-batch of `--batch` ×
     /// `--seq`, gradients summed through NCCL (CUDA, a build with feature
@@ -416,6 +421,14 @@ where
         copy::measure_copy_bandwidth::<R>(&device, args.tiny, args.samples)
     };
     let mut report = report::Report::new(runtime, &B::name(&device), args.tiny, copy_gbs);
+    if training && runtime == "cuda" {
+        report.notes.push(
+            "The device line is the backend of this process, which runs the kernel benchmarks; \
+             each training row ran in a process of its own: Bastile's over the backend its \
+             name gives, Burn's over `burn::backend::Cuda`."
+                .into(),
+        );
+    }
     let cuda = R::name(&R::client(&device)) == "cuda";
     if let (true, AttentionArg::Auto, Some(v)) = (cuda, args.attention, bastile::cudnn_version()) {
         report.notes.push(format!(

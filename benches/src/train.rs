@@ -17,7 +17,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bastile::launch_failure::{allocation_failure, out_of_memory_message};
-use bastile::{Bastile, BastileBackend, Patches};
+use bastile::{Bastile, BastileBackend, Patches, WeightGradSum};
+use bastile_cli::WeightGradSumArg;
 use bastile_cli::device::{CudaBackend, model_routes_experts};
 use bastile_cli::warmup::random_batch;
 use bastile_models::precompile::{self, Part, Precompile};
@@ -242,6 +243,14 @@ pub fn sweep(args: &Args, models: &[String], report: &mut Report) {
                     if let Some(experts) = args.experts {
                         name = format!("{name}, {} experts", experts.name());
                     }
+                    if args.loss_weight_grad_sum != WeightGradSumArg::Exact
+                        && imp != TrainImpl::Burn
+                    {
+                        name = format!(
+                            "{name}, loss weight gradient by {}",
+                            args.loss_weight_grad_sum.name()
+                        );
+                    }
                     if let Some(backend) = args.runtime.and_then(|rt| cuda_backend(rt, model, imp))
                     {
                         name = format!("{name}, {}", backend.name());
@@ -436,6 +445,7 @@ fn child(exe: &Path, args: &Args, task: &str, config: &Config, caches: Option<Ca
         .args(&lora)
         .args(&checkpointing)
         .args(args.experts.iter().flat_map(|e| ["--experts", e.name()]))
+        .args(["--loss-weight-grad-sum", args.loss_weight_grad_sum.name()])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn();
@@ -638,6 +648,7 @@ impl<'a> Run<'a> {
                 .checkpointing
                 .map_or(Checkpointing::Off, Checkpointing::Every),
             expert_routing: args.experts.map(bastile_cli::ExpertsArg::routing),
+            loss_weight_grad_sum: args.loss_weight_grad_sum.sum(),
             first_step_only: args.first_step_only,
             precompile: imp != TrainImpl::Burn && args.runtime.is_some_and(crate::Runtime::is_cuda),
         }
@@ -667,6 +678,8 @@ struct Run<'a> {
     checkpointing: Checkpointing,
     /// `None`: the model's own.
     expert_routing: Option<ExpertRouting>,
+    /// How Bastile's fused loss sums the output layer's gradient.
+    loss_weight_grad_sum: WeightGradSum,
     /// Stop after step 0 and report only the start.
     first_step_only: bool,
     /// Compile the step's kernels in worker processes on a fresh machine
@@ -706,6 +719,7 @@ where
         lora,
         checkpointing,
         expert_routing,
+        loss_weight_grad_sum,
         first_step_only,
         ..
     } = run;
@@ -729,6 +743,7 @@ where
     };
     let train = TrainConfig {
         learning_rate: 1e-5,
+        loss_weight_grad_sum,
         ..TrainConfig::default()
     };
     let vocab = config.vocab_size;

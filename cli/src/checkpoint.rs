@@ -130,6 +130,8 @@ impl RunState {
         let optimizer = |c: &TrainConfig| format!("{:?}", c.optimizer);
         d.compare("--optimizer", optimizer(now), optimizer(then));
         d.compare("--master-weights", now.master_weights, then.master_weights);
+        let sum = |c: &TrainConfig| format!("{:?}", c.loss_weight_grad_sum).to_lowercase();
+        d.compare("--loss-weight-grad-sum", sum(now), sum(then));
         if d.0.is_empty() && now != then {
             d.compare(
                 "the training config",

@@ -8,8 +8,8 @@ use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use bastile::BastileBackend;
 use bastile::launch_failure::out_of_memory;
+use bastile::{BastileBackend, WeightGradSum};
 use bastile_models::precompile::{self, Part, Precompile};
 use bastile_models::{
     CausalLm, Checkpointing, Collective, DataParallelOptions, ExpertRouting, LoraConfig,
@@ -67,6 +67,8 @@ pub struct FinetuneOptions {
     pub optimizer: OptimizerKind,
     /// f32 moments and master weights for half-precision parameters.
     pub master_weights: bool,
+    /// How the fused loss sums the output layer's gradient over its chunks.
+    pub loss_weight_grad_sum: WeightGradSum,
     /// Write a checkpoint every this many steps.
     pub save_every: Option<usize>,
     /// Keep only this many of the latest checkpoints.
@@ -362,6 +364,7 @@ impl Finetune {
             max_grad_norm: o.max_grad_norm,
             optimizer: o.optimizer,
             master_weights: o.master_weights,
+            loss_weight_grad_sum: o.loss_weight_grad_sum,
             ..Default::default()
         };
         let settings = RunSettings {

@@ -18,6 +18,7 @@ pub mod source;
 pub mod tokenizer;
 pub mod warmup;
 
+use bastile::WeightGradSum;
 use bastile_models::ExpertRouting;
 use burn::tensor::DType;
 use clap::ValueEnum;
@@ -49,6 +50,35 @@ impl ExpertsArg {
         match self {
             Self::Routed => "routed",
             Self::Dense => "dense",
+        }
+    }
+}
+
+/// How the fused loss sums the output layer's gradient over its chunks of
+/// tokens (`--loss-weight-grad-sum` of the command and the benchmark).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum WeightGradSumArg {
+    /// A second pass over slices of the vocabulary; the gradient rounded
+    /// once.
+    Exact,
+    /// Each chunk's product added in the weight's dtype (Liger-Kernel's
+    /// numerics).
+    Chunks,
+}
+
+impl WeightGradSumArg {
+    pub fn sum(self) -> WeightGradSum {
+        match self {
+            Self::Exact => WeightGradSum::Exact,
+            Self::Chunks => WeightGradSum::Chunks,
+        }
+    }
+
+    /// The name the flag takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Exact => "exact",
+            Self::Chunks => "chunks",
         }
     }
 }

@@ -11,7 +11,7 @@ use bastile_cli::device::DeviceKind;
 use bastile_cli::finetune::{self, FinetuneOptions};
 use bastile_cli::generate::{self, GenerateOptions};
 use bastile_cli::warmup::{self, WarmupOptions};
-use bastile_cli::{CliError, DTypeArg, ExpertsArg};
+use bastile_cli::{CliError, DTypeArg, ExpertsArg, WeightGradSumArg};
 use bastile_models::lora::parse_targets;
 use bastile_models::{Checkpointing, LoraConfig, OptimizerKind};
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -136,6 +136,13 @@ enum Command {
         /// (HF Trainer's `bf16=True`); fused AdamW only.
         #[arg(long)]
         master_weights: bool,
+        /// How the fused loss sums the output layer's gradient over its
+        /// chunks of tokens: `exact` (a second pass over the vocabulary,
+        /// rounded once) or `chunks` (chunk by chunk in the weight's dtype,
+        /// as Liger-Kernel does: faster on long steps, a chunk of logits
+        /// more in memory).
+        #[arg(long, value_enum, default_value_t = WeightGradSumArg::Exact)]
+        loss_weight_grad_sum: WeightGradSumArg,
         /// Save a checkpoint every N steps (`OUTPUT/checkpoint-N`, written
         /// whole or not at all).
         #[arg(long)]
@@ -203,6 +210,9 @@ enum Command {
         /// f32 moments and master weights for bf16/f16 parameters.
         #[arg(long)]
         master_weights: bool,
+        /// As `finetune --loss-weight-grad-sum`.
+        #[arg(long, value_enum, default_value_t = WeightGradSumArg::Exact)]
+        loss_weight_grad_sum: WeightGradSumArg,
         #[command(flatten)]
         common: Common,
     },
@@ -350,6 +360,7 @@ fn run(cli: Cli, cache: &KernelCache) -> Result<(), CliError> {
             max_grad_norm,
             optimizer,
             master_weights,
+            loss_weight_grad_sum,
             save_every,
             keep_last,
             skip_nonfinite,
@@ -383,6 +394,7 @@ fn run(cli: Cli, cache: &KernelCache) -> Result<(), CliError> {
                 max_grad_norm: (max_grad_norm > 0.0).then_some(max_grad_norm),
                 optimizer: optimizer.kind(),
                 master_weights,
+                loss_weight_grad_sum: loss_weight_grad_sum.sum(),
                 save_every,
                 keep_last,
                 skip_nonfinite,
@@ -408,6 +420,7 @@ fn run(cli: Cli, cache: &KernelCache) -> Result<(), CliError> {
             tune,
             optimizer,
             master_weights,
+            loss_weight_grad_sum,
             common,
         } => {
             let options = WarmupOptions {
@@ -418,6 +431,7 @@ fn run(cli: Cli, cache: &KernelCache) -> Result<(), CliError> {
                 dtype: common.dtype,
                 optimizer: optimizer.kind(),
                 master_weights,
+                loss_weight_grad_sum: loss_weight_grad_sum.sum(),
                 tune,
                 seed: common.seed,
                 progress: std::io::stderr().is_terminal(),

@@ -8,7 +8,7 @@
 
 use std::time::Instant;
 
-use bastile::{BastileBackend, TunePolicy, set_tune_policy};
+use bastile::{BastileBackend, TunePolicy, WeightGradSum, set_tune_policy};
 use bastile_models::{CausalLm, MicroBatch, OptimizerKind, TrainConfig, Trainer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, Int, Tensor};
@@ -34,6 +34,8 @@ pub struct WarmupOptions {
     pub dtype: DTypeArg,
     pub optimizer: OptimizerKind,
     pub master_weights: bool,
+    /// How the fused loss sums the output layer's gradient over its chunks.
+    pub loss_weight_grad_sum: WeightGradSum,
     /// Benchmark every launch candidate of the tuned ops
     /// ([`TunePolicy::Full`]) instead of compiling their defaults.
     pub tune: bool,
@@ -98,6 +100,7 @@ impl Task for Warmup {
         let mut trainer = Trainer::<B>::new(TrainConfig {
             optimizer: o.optimizer,
             master_weights: o.master_weights,
+            loss_weight_grad_sum: o.loss_weight_grad_sum,
             ..Default::default()
         })?;
         let bar = progress_bar(&o);

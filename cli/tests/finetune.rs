@@ -8,6 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
+use bastile::WeightGradSum;
 use bastile_cli::device::{DeviceKind, routes_experts};
 use bastile_cli::finetune::{self, Finetune, FinetuneOptions, FinetuneReport};
 use bastile_cli::generate::{self, GenerateOptions};
@@ -47,6 +48,7 @@ fn options(output: PathBuf, steps: usize) -> FinetuneOptions {
         max_grad_norm: Some(1.0),
         optimizer: OptimizerKind::Fused,
         master_weights: false,
+        loss_weight_grad_sum: WeightGradSum::Exact,
         save_every: None,
         keep_last: None,
         skip_nonfinite: false,
@@ -280,10 +282,15 @@ fn a_resumed_run_repeats_the_uninterrupted_losses() {
         other.output = resumed_out.clone();
         other.resume = Some(first.join("checkpoint-3"));
         other.steps = Some(9);
+        other.loss_weight_grad_sum = WeightGradSum::Chunks;
         let e = finetune(DeviceKind::Cpu, true, other)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("--steps 9 (the checkpoint has 7)"), "{e}");
+        assert!(
+            e.contains("--steps 9 (the checkpoint has 7)")
+                && e.contains("--loss-weight-grad-sum chunks (the checkpoint has exact)"),
+            "{e}"
+        );
         let mut other = o.clone();
         other.output = resumed_out.clone();
         other.resume = Some(first.clone());
@@ -688,6 +695,7 @@ fn warmup_options(lengths: Vec<usize>) -> WarmupOptions {
         dtype: DTypeArg::Auto,
         optimizer: OptimizerKind::Fused,
         master_weights: false,
+        loss_weight_grad_sum: WeightGradSum::Exact,
         tune: false,
         seed: 7,
         progress: false,

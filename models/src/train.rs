@@ -10,7 +10,7 @@
 //! stopped run resumes where it was.
 
 use bastile::optim::{AdamW as FusedAdamW, AdamWConfig as FusedAdamWConfig, MomentDtype};
-use bastile::{BastileBackend, CrossEntropyOptions, LabelCheck, Reduction};
+use bastile::{BastileBackend, CrossEntropyOptions, LabelCheck, Reduction, WeightGradSum};
 use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
@@ -46,6 +46,13 @@ pub struct TrainConfig {
     /// moments are kept in the parameters' dtype, as `torch.optim.AdamW`
     /// keeps them.
     pub master_weights: bool,
+    /// How the fused loss sums the output layer's gradient over its chunks
+    /// of tokens: once in f32 after a second pass over the vocabulary
+    /// (`Exact`), or chunk by chunk in the weight's dtype as Liger-Kernel
+    /// does (`Chunks`: faster on long steps, with a chunk of logits more in
+    /// memory). Configurations saved without it read as `Exact`.
+    #[serde(default)]
+    pub loss_weight_grad_sum: WeightGradSum,
 }
 
 /// Which AdamW a [`Trainer`] steps with.
@@ -74,6 +81,7 @@ impl Default for TrainConfig {
             max_grad_norm: Some(1.0),
             optimizer: OptimizerKind::Fused,
             master_weights: false,
+            loss_weight_grad_sum: WeightGradSum::Exact,
         }
     }
 }
@@ -575,6 +583,7 @@ where
         let divisor = total.clone().float().clamp_min(1.0);
         let options = CrossEntropyOptions::default()
             .with_reduction(Reduction::Sum)
+            .with_weight_grad_sum(self.config.loss_weight_grad_sum)
             .with_deferred_label_check();
         let mut accumulator = GradientsAccumulator::new();
         let mut losses = Vec::with_capacity(micro_batches.len());
@@ -826,5 +835,29 @@ impl<B: AutodiffBackend> StepResults<B> {
             });
         }
         Ok(Some((loss, ints[0] as usize)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A configuration saved before the loss's weight-gradient option
+    /// existed reads as `Exact`; the option is saved by its lowercase name
+    /// and read back.
+    #[test]
+    fn loss_weight_grad_sum_reads_from_older_configs_and_round_trips() {
+        let mut json = serde_json::to_value(TrainConfig::default()).unwrap();
+        let removed = json.as_object_mut().unwrap().remove("loss_weight_grad_sum");
+        assert_eq!(removed, Some(serde_json::json!("exact")));
+        let older: TrainConfig = serde_json::from_value(json).unwrap();
+        assert_eq!(older, TrainConfig::default());
+        let chunks = TrainConfig {
+            loss_weight_grad_sum: WeightGradSum::Chunks,
+            ..TrainConfig::default()
+        };
+        let json = serde_json::to_value(&chunks).unwrap();
+        assert_eq!(json["loss_weight_grad_sum"], "chunks");
+        assert_eq!(serde_json::from_value::<TrainConfig>(json).unwrap(), chunks);
     }
 }

@@ -22,6 +22,7 @@ pub enum Reduction {
 #[derive(
     Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
 )]
+#[serde(rename_all = "lowercase")]
 pub enum WeightGradSum {
     /// A second pass over slices of the vocabulary takes each slice's
     /// gradient as one product over every token, rounded once: the
