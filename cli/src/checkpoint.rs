@@ -16,8 +16,8 @@ use std::path::{Path, PathBuf};
 use bastile_models::TrainConfig;
 use serde::{Deserialize, Serialize};
 
-use crate::CliError;
 use crate::data::Example;
+use crate::{CliError, WeightGradSumArg};
 
 /// The run's progress and settings, `run.json` in a checkpoint.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -130,7 +130,7 @@ impl RunState {
         let optimizer = |c: &TrainConfig| format!("{:?}", c.optimizer);
         d.compare("--optimizer", optimizer(now), optimizer(then));
         d.compare("--master-weights", now.master_weights, then.master_weights);
-        let sum = |c: &TrainConfig| format!("{:?}", c.loss_weight_grad_sum).to_lowercase();
+        let sum = |c: &TrainConfig| WeightGradSumArg::from(c.loss_weight_grad_sum).name();
         d.compare("--loss-weight-grad-sum", sum(now), sum(then));
         if d.0.is_empty() && now != then {
             d.compare(

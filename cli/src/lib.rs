@@ -66,6 +66,15 @@ pub enum WeightGradSumArg {
     Chunks,
 }
 
+impl From<WeightGradSum> for WeightGradSumArg {
+    fn from(sum: WeightGradSum) -> Self {
+        match sum {
+            WeightGradSum::Exact => Self::Exact,
+            WeightGradSum::Chunks => Self::Chunks,
+        }
+    }
+}
+
 impl WeightGradSumArg {
     pub fn sum(self) -> WeightGradSum {
         match self {

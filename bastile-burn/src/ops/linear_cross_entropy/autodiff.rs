@@ -2,11 +2,11 @@
 //! the input's (and bias's) gradients come out of the forward pass and the
 //! backward pass only scales them by the upstream gradient; so does the
 //! weight's when the chunks' products give it (one chunk, or
-//! [`WeightGradSum::Chunks`]), else the backward pass computes it over
-//! vocabulary slices with the upstream gradient folded in (the pass the
-//! forward would have run, without a weight-sized multiply afterwards).
-//! With `None` the backward pass recomputes the chunks with the per-token
-//! upstream gradients.
+//! [`WeightGradSum::Chunks`](crate::WeightGradSum::Chunks)), else the
+//! backward pass computes it over vocabulary slices with the upstream
+//! gradient folded in (the pass the forward would have run, without a
+//! weight-sized multiply afterwards). With `None` the backward pass
+//! recomputes the chunks with the per-token upstream gradients.
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::{FloatTensor, IntTensor};
@@ -16,14 +16,14 @@ use burn_autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 
-use super::kernel::chunk_rows;
+use super::kernel::{chunk_rows, chunks_give_weight_grad};
 use super::{
     LinearCrossEntropy, LinearCrossEntropyBackward, LinearCrossEntropyWeightGrad,
     LinearCrossEntropyWithGrads, LinearCrossEntropyWithInputGrads, LossSpec,
 };
 use crate::BastileBackend;
 use crate::fused::{In, Out, register_grads};
-use crate::ops::cross_entropy::{LossPair, Reduction, WeightGradSum};
+use crate::ops::cross_entropy::{LossPair, Reduction};
 use crate::ops::{f32_of, float};
 
 /// `g` times the upstream scalar gradient `dloss`.
@@ -89,14 +89,13 @@ impl<B: BastileBackend, const P: usize> Backward<B, P> for ScaledNode<P> {
 }
 
 /// Whether the weight's gradient comes from the forward's own chunk
-/// products: summed over the chunks ([`WeightGradSum::Chunks`]), or the
-/// one product of a chunk covering all `tokens` (the largest allocation
-/// the device allows taken as unbounded: a device that bounds the chunk
-/// more computes the weight's gradient in its forward's second pass
-/// instead, the same result).
+/// products ([`chunks_give_weight_grad`]), the largest allocation the
+/// device allows taken as unbounded: a device that bounds the chunk more
+/// computes the weight's gradient in its forward's second pass instead,
+/// the same result.
 fn weight_grad_in_forward(tokens: usize, vocab: usize, dtype: DType, spec: &LossSpec) -> bool {
-    spec.weight_grad_sum == WeightGradSum::Chunks
-        || chunk_rows(tokens, vocab, dtype.size(), u64::MAX, spec.chunk_size) >= tokens
+    let chunk = chunk_rows(tokens, vocab, dtype.size(), u64::MAX, spec.chunk_size);
+    chunks_give_weight_grad(spec, chunk, tokens)
 }
 
 /// What the deferred backward pass recomputes from.

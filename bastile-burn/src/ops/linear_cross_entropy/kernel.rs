@@ -143,6 +143,13 @@ pub(crate) fn chunk_rows(
     rows.clamp(1, tokens.max(1))
 }
 
+/// Whether the chunks' own products give `dW` (else the second pass over
+/// vocabulary slices does): one chunk of `chunk` rows covers all
+/// `tokens`, or [`WeightGradSum::Chunks`] sums them.
+pub(crate) fn chunks_give_weight_grad(spec: &LossSpec, chunk: usize, tokens: usize) -> bool {
+    chunk >= tokens || spec.weight_grad_sum == WeightGradSum::Chunks
+}
+
 /// Bytes of logits a vocabulary slice of the second pass holds. Smaller
 /// than a chunk: the second pass runs while `dW` (`V × H`) is allocated,
 /// and its slices' products stay large (every token times the slice).
@@ -257,8 +264,7 @@ fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
         }
         as_rows(prim(logits))
     };
-    // Whether the chunks' products give `dW` (else the second pass does).
-    let chunks_sum_dw = chunk >= n || spec.weight_grad_sum == WeightGradSum::Chunks;
+    let chunks_sum_dw = chunks_give_weight_grad(spec, chunk, n);
     let first_pass = pass != Pass::WeightGrad;
     let mut losses = Vec::new();
     let mut lses = Vec::new();
