@@ -238,11 +238,11 @@ backend_test! {
         let base = CrossEntropyOptions::default().with_chunk_size(16);
         let cases = [
             (base, true, 4),
-            // The weight's gradient summed over the chunks rather than
-            // from a second pass over vocabulary slices.
+            // The weight's gradient from a second pass over vocabulary
+            // slices rather than summed over the chunks (the default).
             (
                 base.with_reduction(Reduction::Sum)
-                    .with_weight_grad_sum(WeightGradSum::Chunks),
+                    .with_weight_grad_sum(WeightGradSum::Exact),
                 false,
                 3,
             ),
@@ -253,7 +253,7 @@ backend_test! {
             (
                 base.with_z_loss(1e-2)
                     .with_normalizer(50.0)
-                    .with_weight_grad_sum(WeightGradSum::Chunks),
+                    .with_weight_grad_sum(WeightGradSum::Exact),
                 true,
                 2,
             ),

@@ -191,8 +191,8 @@ pub struct Args {
     pub checkpointing: Option<std::num::NonZeroUsize>,
     /// Training: how Bastile's fused loss sums the output layer's gradient
     /// over its chunks of tokens (`bastile finetune`'s option of the same
-    /// name); `chunks` rows are named so.
-    #[arg(long, value_enum, default_value = "exact", value_name = "HOW")]
+    /// name); rows that do not use the default are named so.
+    #[arg(long, value_enum, default_value = "chunks", value_name = "HOW")]
     pub loss_weight_grad_sum: bastile_cli::WeightGradSumArg,
     /// Training: GPU counts to train on data-parallel, e.g. `1,2,4`: one
     /// worker per GPU, each with its own micro-batch of `--batch` ×

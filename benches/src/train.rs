@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 
 use bastile::launch_failure::{allocation_failure, out_of_memory_message};
 use bastile::{Bastile, BastileBackend, Patches, WeightGradSum};
-use bastile_cli::WeightGradSumArg;
 use bastile_cli::device::{CudaBackend, model_routes_experts};
 use bastile_cli::warmup::random_batch;
 use bastile_models::precompile::{self, Part, Precompile};
@@ -243,11 +242,11 @@ pub fn sweep(args: &Args, models: &[String], report: &mut Report) {
                     if let Some(experts) = args.experts {
                         name = format!("{name}, {} experts", experts.name());
                     }
-                    if args.loss_weight_grad_sum != WeightGradSumArg::Exact
+                    if args.loss_weight_grad_sum.sum() != WeightGradSum::default()
                         && imp != TrainImpl::Burn
                     {
                         name = format!(
-                            "{name}, loss weight gradient by {}",
+                            "{name}, loss weight gradient {}",
                             args.loss_weight_grad_sum.name()
                         );
                     }

@@ -58,12 +58,12 @@ impl ExpertsArg {
 /// tokens (`--loss-weight-grad-sum` of the command and the benchmark).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum WeightGradSumArg {
+    /// Each chunk's product added in the weight's dtype (Liger-Kernel's
+    /// numerics; the default).
+    Chunks,
     /// A second pass over slices of the vocabulary; the gradient rounded
     /// once.
     Exact,
-    /// Each chunk's product added in the weight's dtype (Liger-Kernel's
-    /// numerics).
-    Chunks,
 }
 
 impl From<WeightGradSum> for WeightGradSumArg {

@@ -137,11 +137,11 @@ enum Command {
         #[arg(long)]
         master_weights: bool,
         /// How the fused loss sums the output layer's gradient over its
-        /// chunks of tokens: `exact` (a second pass over the vocabulary,
-        /// rounded once) or `chunks` (chunk by chunk in the weight's dtype,
-        /// as Liger-Kernel does: faster on long steps, a chunk of logits
-        /// more in memory).
-        #[arg(long, value_enum, default_value_t = WeightGradSumArg::Exact)]
+        /// chunks of tokens: `chunks` (chunk by chunk in the weight's
+        /// dtype, as Liger-Kernel does) or `exact` (a second pass over the
+        /// vocabulary, rounded once: a fourth product over the logits). A
+        /// run saved before this option existed resumes with `exact`.
+        #[arg(long, value_enum, default_value_t = WeightGradSumArg::Chunks)]
         loss_weight_grad_sum: WeightGradSumArg,
         /// Save a checkpoint every N steps (`OUTPUT/checkpoint-N`, written
         /// whole or not at all).
@@ -211,7 +211,7 @@ enum Command {
         #[arg(long)]
         master_weights: bool,
         /// As `finetune --loss-weight-grad-sum`.
-        #[arg(long, value_enum, default_value_t = WeightGradSumArg::Exact)]
+        #[arg(long, value_enum, default_value_t = WeightGradSumArg::Chunks)]
         loss_weight_grad_sum: WeightGradSumArg,
         #[command(flatten)]
         common: Common,

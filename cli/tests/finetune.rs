@@ -48,7 +48,7 @@ fn options(output: PathBuf, steps: usize) -> FinetuneOptions {
         max_grad_norm: Some(1.0),
         optimizer: OptimizerKind::Fused,
         master_weights: false,
-        loss_weight_grad_sum: WeightGradSum::Exact,
+        loss_weight_grad_sum: WeightGradSum::default(),
         save_every: None,
         keep_last: None,
         skip_nonfinite: false,
@@ -282,13 +282,13 @@ fn a_resumed_run_repeats_the_uninterrupted_losses() {
         other.output = resumed_out.clone();
         other.resume = Some(first.join("checkpoint-3"));
         other.steps = Some(9);
-        other.loss_weight_grad_sum = WeightGradSum::Chunks;
+        other.loss_weight_grad_sum = WeightGradSum::Exact;
         let e = finetune(DeviceKind::Cpu, true, other)
             .unwrap_err()
             .to_string();
         assert!(
             e.contains("--steps 9 (the checkpoint has 7)")
-                && e.contains("--loss-weight-grad-sum chunks (the checkpoint has exact)"),
+                && e.contains("--loss-weight-grad-sum exact (the checkpoint has chunks)"),
             "{e}"
         );
         let mut other = o.clone();
@@ -695,7 +695,7 @@ fn warmup_options(lengths: Vec<usize>) -> WarmupOptions {
         dtype: DTypeArg::Auto,
         optimizer: OptimizerKind::Fused,
         master_weights: false,
-        loss_weight_grad_sum: WeightGradSum::Exact,
+        loss_weight_grad_sum: WeightGradSum::default(),
         tune: false,
         seed: 7,
         progress: false,

@@ -47,12 +47,18 @@ pub struct TrainConfig {
     /// keeps them.
     pub master_weights: bool,
     /// How the fused loss sums the output layer's gradient over its chunks
-    /// of tokens: once in f32 after a second pass over the vocabulary
-    /// (`Exact`), or chunk by chunk in the weight's dtype as Liger-Kernel
-    /// does (`Chunks`: faster on long steps, with a chunk of logits more in
-    /// memory). Configurations saved without it read as `Exact`.
-    #[serde(default)]
+    /// of tokens: chunk by chunk in the weight's dtype as Liger-Kernel does
+    /// (`Chunks`, the default), or once in f32 after a second pass over
+    /// the vocabulary (`Exact`: a fourth product over the logits).
+    /// Configurations saved before the option existed read as `Exact`,
+    /// the sum they trained with.
+    #[serde(default = "weight_grad_sum_before_the_option")]
     pub loss_weight_grad_sum: WeightGradSum,
+}
+
+/// The loss's weight-gradient sum of a configuration saved without it.
+fn weight_grad_sum_before_the_option() -> WeightGradSum {
+    WeightGradSum::Exact
 }
 
 /// Which AdamW a [`Trainer`] steps with.
@@ -81,7 +87,7 @@ impl Default for TrainConfig {
             max_grad_norm: Some(1.0),
             optimizer: OptimizerKind::Fused,
             master_weights: false,
-            loss_weight_grad_sum: WeightGradSum::Exact,
+            loss_weight_grad_sum: WeightGradSum::Chunks,
         }
     }
 }
@@ -843,21 +849,27 @@ mod tests {
     use super::*;
 
     /// A configuration saved before the loss's weight-gradient option
-    /// existed reads as `Exact`; the option is saved by its lowercase name
-    /// and read back.
+    /// existed reads as `Exact` (what it trained with), not as today's
+    /// default; the option is saved by its lowercase name and read back.
     #[test]
     fn loss_weight_grad_sum_reads_from_older_configs_and_round_trips() {
         let mut json = serde_json::to_value(TrainConfig::default()).unwrap();
         let removed = json.as_object_mut().unwrap().remove("loss_weight_grad_sum");
-        assert_eq!(removed, Some(serde_json::json!("exact")));
+        assert_eq!(removed, Some(serde_json::json!("chunks")));
         let older: TrainConfig = serde_json::from_value(json).unwrap();
-        assert_eq!(older, TrainConfig::default());
-        let chunks = TrainConfig {
-            loss_weight_grad_sum: WeightGradSum::Chunks,
+        assert_eq!(
+            older,
+            TrainConfig {
+                loss_weight_grad_sum: WeightGradSum::Exact,
+                ..TrainConfig::default()
+            }
+        );
+        let exact = TrainConfig {
+            loss_weight_grad_sum: WeightGradSum::Exact,
             ..TrainConfig::default()
         };
-        let json = serde_json::to_value(&chunks).unwrap();
-        assert_eq!(json["loss_weight_grad_sum"], "chunks");
-        assert_eq!(serde_json::from_value::<TrainConfig>(json).unwrap(), chunks);
+        let json = serde_json::to_value(&exact).unwrap();
+        assert_eq!(json["loss_weight_grad_sum"], "exact");
+        assert_eq!(serde_json::from_value::<TrainConfig>(json).unwrap(), exact);
     }
 }

@@ -30,7 +30,7 @@ pub struct LinearCrossEntropyLossConfig {
     /// Tokens per chunk (chosen automatically when unset).
     pub chunk_size: Option<usize>,
     /// How the weight's gradient sums over several chunks.
-    #[config(default = "WeightGradSum::Exact")]
+    #[config(default = "WeightGradSum::Chunks")]
     pub weight_grad_sum: WeightGradSum,
 }
 

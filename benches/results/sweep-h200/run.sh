@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A/B lease: RUNS of "build:model:seq:steps" (training), "build:op:NAME" (--op), "torch:model:seq" (HF, HF + Liger),
-# "perf:build:model:seq" (flat host profile with the carried perf).
+# "perf:build:model:seq" (flat host profile with the carried perf); "set:SWEEP_ARGS:--flag=value" adds
+# a flag to the sweeps after it.
 set -u
 R=$OUT/r; mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $R/gpu.txt
@@ -41,7 +42,7 @@ for l in open('$R/$i-torch-$b-$c-${d:-1}.jsonl'):
     bgtests) mkdir -p /tmp/tt; ( for t in ${b//,/ }; do xz -dc .device/b/tests-$t.xz > /tmp/tt/$t && chmod +x /tmp/tt/$t
         ( cd /tmp && BASTILE_TEST_RUNTIMES=cuda timeout ${WAIT:-300} /tmp/tt/$t --test-threads ${TT:-2} ${c//,/ } > $R/tests-$t.log 2>&1; echo "rc $?" >> $R/tests-$t.log ) & done; wait ) & BG=$! ;;
     wait) wait $BG; for t in $R/tests-*.log; do echo "== $t"; grep -E "test result|panicked|FAILED|rc " $t | tail -8; done ;;
-    sweep) bench $b $i-sweep-$b $w/$b --runtime ${RT:-cuda} --model $c --seq $d --batch ${SWEEP_BATCH:-1,4} --impl bastile --steps ${SWEEP_STEPS:-10} --no-cold-start --out $R/$i-sweep.json ;;
+    sweep) bench $b $i-sweep-$b $w/$b --runtime ${RT:-cuda} --model $c --seq $d --batch ${SWEEP_BATCH:-1,4} --impl bastile --steps ${SWEEP_STEPS:-10} --no-cold-start ${SWEEP_ARGS:-} --out $R/$i-sweep.json ;;
     optrace) d=/tmp/caches-$b; mkdir -p $d   # optrace:build:op:ITEMS
       ( cd $d && env BASTILE_ADAMW_ITEMS=$d0 KERNEL_TRACE_OUT=$R/k-$i.txt CUDA_INJECTION64_PATH=/tmp/libkt.so BASTILE_KERNEL_CACHE=$d/kernels CUDA_CACHE_PATH=$d/cuda XDG_CACHE_HOME=$d/xdg \
         timeout 200 $w/$b --runtime cuda --op $c --out $R/$i-optrace-$c-$d0.json ) > $R/$i-optrace-$c-$d0.log 2>&1

@@ -4,15 +4,16 @@
 //! the cross-entropy kernel turns them into their gradient in place, then
 //! `dh_c = dlogits · W` (and `db` sums in f32). When one chunk covers every
 //! token, `dW = dlogitsᵀ · h` follows from the same logits. With several
-//! chunks, [`WeightGradSum::Exact`] (the default) takes `dW` in a second
+//! chunks, [`WeightGradSum::Exact`] takes `dW` in a second
 //! pass by slices of the vocabulary: each slice's logits for every token
 //! are computed again, turned into their gradient from the rows' `lse`, and
 //! `dW_s = dlogits_sᵀ · h` is one product over every token, written into
 //! `dW`'s rows. So `dW` is summed in f32 inside the products and rounded
 //! once, with no f32 `V × H` accumulator, for a third more matmul work.
-//! [`WeightGradSum::Chunks`] instead adds each chunk's `dlogits_cᵀ · h_c`
+//! [`WeightGradSum::Chunks`] (the default) instead adds each chunk's `dlogits_cᵀ · h_c`
 //! into `dW` in the weight's dtype (the epilogue's sum on cuBLASLt, in
-//! place), rounding once per chunk. Extra memory: one chunk of logits (at
+//! place), rounding once per chunk, over chunks sized like the input
+//! ([`summed_chunk_rows`]). Extra memory: one chunk of logits (at
 //! most [`LOGITS_BYTES`]) in the first pass (beside `dW` with `Chunks`),
 //! one slice (at most [`SLICE_LOGITS_BYTES`]) beside `dW` in the second. A
 //! differentiated mean or sum runs the second pass in the backward pass
@@ -150,6 +151,37 @@ pub(crate) fn chunks_give_weight_grad(spec: &LossSpec, chunk: usize, tokens: usi
     chunk >= tokens || spec.weight_grad_sum == WeightGradSum::Chunks
 }
 
+/// The fewest tokens a chunk takes when the chunks' products sum `dW`:
+/// a narrower product reads and writes all of `dW` for little work.
+const MIN_SUMMED_CHUNK: usize = 256;
+
+/// Tokens per chunk when the chunks' products sum `dW`
+/// ([`WeightGradSum::Chunks`]): `dW` is then held beside each chunk's
+/// logits during the loop, so the chunk is sized like the loss's input
+/// (`tokens × hidden`), as Liger-Kernel sizes it: the next power of two of
+/// `tokens / ⌈vocab / hidden⌉` rows, at least [`MIN_SUMMED_CHUNK`], at
+/// most [`chunk_rows`]'s. Every token in one chunk when they fit
+/// [`chunk_rows`]'s budget, and a requested size, as there.
+pub(crate) fn summed_chunk_rows(
+    tokens: usize,
+    vocab: usize,
+    hidden: usize,
+    elem_size: usize,
+    max_allocation: u64,
+    requested: Option<usize>,
+) -> usize {
+    let most = chunk_rows(tokens, vocab, elem_size, max_allocation, requested);
+    if requested.is_some() || most >= tokens {
+        return most;
+    }
+    let chunks_of_input = vocab.div_ceil(hidden.max(1)).max(1);
+    tokens
+        .div_ceil(chunks_of_input)
+        .next_power_of_two()
+        .max(MIN_SUMMED_CHUNK)
+        .min(most)
+}
+
 /// Bytes of logits a vocabulary slice of the second pass holds. Smaller
 /// than a chunk: the second pass runs while `dW` (`V × H`) is allocated,
 /// and its slices' products stay large (every token times the slice).
@@ -227,13 +259,18 @@ fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     let [n, _] = h.dims();
     let [vocab, hidden_size] = w.dims();
     let labels: Tensor<Cube<R, F, I, BT>, 1, Int> = Tensor::from_primitive(contiguous_i32(labels));
-    let chunk = chunk_rows(
-        n,
-        vocab,
-        dtype.size(),
-        client.properties().memory.max_page_size,
-        spec.chunk_size,
-    );
+    let max_allocation = client.properties().memory.max_page_size;
+    let chunk = match spec.weight_grad_sum {
+        WeightGradSum::Exact => chunk_rows(n, vocab, dtype.size(), max_allocation, spec.chunk_size),
+        WeightGradSum::Chunks => summed_chunk_rows(
+            n,
+            vocab,
+            hidden_size,
+            dtype.size(),
+            max_allocation,
+            spec.chunk_size,
+        ),
+    };
     let mode = match pass {
         Pass::Stats => CrossEntropyMode::Stats,
         Pass::StatsAndGrads | Pass::StatsAndInputGrads => CrossEntropyMode::StatsAndGrad,
@@ -410,7 +447,7 @@ fn run<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
 
 #[cfg(test)]
 mod tests {
-    use super::{chunk_rows, slice_columns};
+    use super::{chunk_rows, slice_columns, summed_chunk_rows};
 
     const GIB: u64 = 1 << 30;
 
@@ -435,6 +472,31 @@ mod tests {
         // A vocabulary too wide for 256 rows is not rounded to 128.
         assert_eq!(chunk_rows(8192, 1 << 20, 2, 20 * GIB, None), 128);
         assert_eq!(chunk_rows(8192, 1 << 21, 2, 20 * GIB, None), 64);
+    }
+
+    #[test]
+    fn summed_chunks_are_sized_like_the_input_from_256_rows() {
+        let chunk =
+            |tokens, vocab, hidden| summed_chunk_rows(tokens, vocab, hidden, 2, 20 * GIB, None);
+        // Llama 3.2 1B (128 256 × 2048: 63 input-sized chunks): 8192 tokens
+        // take 131 rows a chunk, 256 as a power of two; 16 384 take 512;
+        // 32 768 take 1024, the most a chunk holds.
+        assert_eq!(chunk(8192, 128_256, 2048), 256);
+        assert_eq!(chunk(16_384, 128_256, 2048), 512);
+        assert_eq!(chunk(32_768, 128_256, 2048), 1024);
+        assert_eq!(chunk(131_072, 128_256, 2048), 1024);
+        // Qwen3-0.6B (151 936 × 1024: 149 chunks): never above 256 rows
+        // up to 32 768 tokens, and never below.
+        assert_eq!(chunk(2048, 151_936, 1024), 256);
+        assert_eq!(chunk(32_768, 151_936, 1024), 256);
+        assert_eq!(chunk(65_536, 151_936, 1024), 512);
+        // Tokens that fit one chunk stay whole; a requested size wins.
+        assert_eq!(chunk(1024, 128_256, 2048), 1024);
+        assert_eq!(chunk(700, 151_936, 1024), 700);
+        assert_eq!(
+            summed_chunk_rows(8192, 151_936, 1024, 2, 20 * GIB, Some(300)),
+            300
+        );
     }
 
     #[test]

@@ -8,10 +8,10 @@
 //! turned into their gradient in place by the cross-entropy kernel, and
 //! multiplied back into `d_hidden`; `d_weight` comes from the same chunk
 //! when one covers every token, else (by default,
-//! [`WeightGradSum::Exact`](crate::WeightGradSum::Exact)) from a second
-//! pass over vocabulary slices, or, with
-//! [`WeightGradSum::Chunks`](crate::WeightGradSum::Chunks), from the
-//! chunks' products summed in the weight's dtype (see `kernel.rs`). The
+//! [`WeightGradSum::Chunks`](crate::WeightGradSum::Chunks)) from the
+//! chunks' products summed in the weight's dtype, or, with
+//! [`WeightGradSum::Exact`](crate::WeightGradSum::Exact), from a second
+//! pass over vocabulary slices (see `kernel.rs`). The
 //! extra memory is one chunk of logits.
 //! With `Mean` / `Sum` the gradients are computed during the forward pass
 //! (when anything requires them) and only scaled by the upstream gradient
