@@ -379,9 +379,9 @@ fn run_cuda(args: &Args, runtime: Runtime) -> report::Report {
     {
         args.attention.apply();
         if direct {
-            train::run_child_parallel::<CudaRuntime, bastile::CudaDirect>(args, imp);
+            train::run_child_parallel::<CudaRuntime, bastile::CudaDirect>(args, imp, true);
         }
-        train::run_child_parallel::<CudaRuntime, burn::backend::Cuda>(args, imp);
+        train::run_child_parallel::<CudaRuntime, burn::backend::Cuda>(args, imp, false);
     }
     if direct {
         run::<CudaRuntime, bastile::CudaDirect>(args, &name)

@@ -576,9 +576,12 @@ where
 }
 
 /// In the child: measures one configuration data-parallel over the first
-/// `--devices` GPUs, gradients summed through NCCL.
+/// `--devices` GPUs, gradients summed through NCCL: during the backward
+/// pass when `during_backward` (a backend that launches each operation
+/// when it is called, see [`bastile_models::Collective::during_backward`]),
+/// else after it.
 #[cfg(feature = "distributed")]
-pub fn run_child_parallel<R, B>(args: &Args, imp: TrainImpl) -> !
+pub fn run_child_parallel<R, B>(args: &Args, imp: TrainImpl, during_backward: bool) -> !
 where
     R: cubecl::Runtime<Device = B::Device>,
     B: bastile::ops::KernelBackend
@@ -595,23 +598,30 @@ where
     let options = DataParallelOptions {
         wait: Duration::from_secs(args.child_timeout),
     };
+    fn collective<X: burn::tensor::backend::distributed::DistributedBackend>(
+        devices: &[X::Device],
+        during_backward: bool,
+    ) -> Result<Collective<X>, String> {
+        let c = Collective::nccl(devices).map_err(|e| e.to_string())?;
+        Ok(if during_backward {
+            c.during_backward()
+        } else {
+            c
+        })
+    }
     let row = match imp {
-        TrainImpl::Burn => Collective::nccl(&devices)
-            .map_err(|e| e.to_string())
-            .and_then(|c| {
-                measure::<R, Autodiff<B>>(&devices[0], &run, Some((devices.clone(), c, options)))
-            }),
+        TrainImpl::Burn => collective::<B>(&devices, during_backward).and_then(|c| {
+            measure::<R, Autodiff<B>>(&devices[0], &run, Some((devices.clone(), c, options)))
+        }),
         TrainImpl::BastileKernels | TrainImpl::Bastile => {
             run.apply_patches();
-            Collective::nccl(&devices)
-                .map_err(|e| e.to_string())
-                .and_then(|c| {
-                    measure::<R, Autodiff<Bastile<B>>>(
-                        &devices[0],
-                        &run,
-                        Some((devices.clone(), c, options)),
-                    )
-                })
+            collective::<Bastile<B>>(&devices, during_backward).and_then(|c| {
+                measure::<R, Autodiff<Bastile<B>>>(
+                    &devices[0],
+                    &run,
+                    Some((devices.clone(), c, options)),
+                )
+            })
         }
     };
     report_row(row)

@@ -250,7 +250,9 @@ fn cuda_data_parallel<T: Task>(
     let info = RunInfo::cuda(bastile, backend);
     match (bastile, backend) {
         (true, CudaBackend::Direct) => {
-            let collective = Collective::nccl(&devices)?;
+            // Operations launch when called: the gradients are summed
+            // while the backward pass runs.
+            let collective = Collective::nccl(&devices)?.during_backward();
             task.run_data_parallel::<Autodiff<Bastile<bastile::CudaDirect>>>(
                 devices, collective, info,
             )

@@ -103,9 +103,29 @@ where
         options: CrossEntropyOptions,
         divisor: Tensor<B, 1>,
     ) -> Result<(CrossEntropyOutput<B>, GradientsParams), ModelError> {
-        if self.checkpointing == Checkpointing::Off {
+        let mut divisor = || divisor.clone();
+        self.loss_and_grads_into::<NoSink>(ids, labels, positions, options, &mut divisor, None)
+    }
+
+    /// [`CausalLm::loss_and_grads`], handing `sink` each module's
+    /// gradients as soon as they are complete. With a sink the backward
+    /// pass always runs segment by segment (the head and loss, each layer
+    /// last first, the embeddings), recomputing the layers only as the
+    /// model's [`Checkpointing`] says. `divisor` is asked for once the
+    /// forward pass is queued, so a divisor still being summed over the
+    /// workers need not hold the forward pass back.
+    pub(crate) fn loss_and_grads_into<S: SegmentSink<B>>(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        labels: Tensor<B, 2, Int>,
+        positions: Option<Tensor<B, 2, Int>>,
+        options: CrossEntropyOptions,
+        divisor: &mut dyn FnMut() -> Tensor<B, 1>,
+        mut sink: Option<&mut S>,
+    ) -> Result<(CrossEntropyOutput<B>, GradientsParams), ModelError> {
+        if self.checkpointing == Checkpointing::Off && sink.is_none() {
             let mut out = self.loss_of(ids, labels, positions, options)?;
-            let loss = out.loss / divisor;
+            let loss = out.loss / divisor();
             out.loss = loss.clone().detach();
             return Ok((out, GradientsParams::from_grads(loss.backward(), self)));
         }
@@ -158,6 +178,7 @@ where
         let mut grads = GradientsParams::new();
         let leaf = Tensor::from_inner(x).require_grad();
         let mut out = self.head_loss(leaf.clone(), shifted, options)?;
+        let divisor = divisor();
         // The load-balancing loss's weights, scaled as the loss is; each
         // layer's part joins the loss here and its gradient joins the
         // layer's backward pass.
@@ -184,6 +205,14 @@ where
             None => take_grads(&mut segment, &self.model.embed_tokens, &mut grads),
         }
         let mut dx = input_grad(&leaf, &mut segment);
+        if let Some(sink) = sink.as_deref_mut() {
+            // The tied embeddings' gradient is complete only once the
+            // lookup's part joins it, after the last layer.
+            sink.completed(&self.model.norm, &mut grads);
+            if let Some(head) = &self.lm_head {
+                sink.completed(head, &mut grads);
+            }
+        }
         for (layer, saved) in self.model.layers.iter().zip(saved).rev() {
             let (leaf, out, load) = match saved {
                 Saved::Input(x) => {
@@ -209,6 +238,9 @@ where
             };
             take_grads(&mut segment, layer, &mut grads);
             dx = input_grad(&leaf, &mut segment);
+            if let Some(sink) = sink.as_deref_mut() {
+                sink.completed(layer, &mut grads);
+            }
         }
         // The lookup's gradient goes straight into the tied head's, when
         // there is one, rather than into zeros added to it afterwards.
@@ -219,7 +251,28 @@ where
             let grad = bastile::add_embedding_grad(start, ids.inner(), dx.inner())?;
             grads.register(weight.id, grad);
         }
+        if let Some(sink) = sink {
+            // The embeddings, and whatever no segment above named.
+            sink.completed(self, &mut grads);
+        }
         Ok((out, grads))
+    }
+}
+
+/// Takes the gradients of a segmented backward pass as they complete
+/// ([`CausalLm::loss_and_grads_into`]).
+pub(crate) trait SegmentSink<B: AutodiffBackend> {
+    /// The gradients of `module`'s parameters in `grads` are complete:
+    /// the sink may take them out (it puts them back later).
+    fn completed<M: Module<B>>(&mut self, module: &M, grads: &mut GradientsParams);
+}
+
+/// No sink: [`CausalLm::loss_and_grads`].
+pub(crate) enum NoSink {}
+
+impl<B: AutodiffBackend> SegmentSink<B> for NoSink {
+    fn completed<M: Module<B>>(&mut self, _: &M, _: &mut GradientsParams) {
+        match *self {}
     }
 }
 

@@ -9,9 +9,17 @@
 //! share, and returns when every worker's step is done:
 //!
 //! * the counted tokens of all workers are summed before any loss is
-//!   divided by them, and the gradients are summed after each worker's
-//!   last backward pass, so the step equals one worker's step over all the
-//!   micro-batches (gradient accumulation), up to the summation order;
+//!   divided by them, and every micro-batch's gradients are summed, so the
+//!   step equals one worker's step over all the micro-batches (gradient
+//!   accumulation), up to the summation order;
+//! * with [`Collective::host`] and [`Collective::during_backward`] the
+//!   gradients are summed while the backward pass runs: it runs segment
+//!   by segment (the head and loss, each decoder layer last first, the
+//!   embeddings; layers are recomputed only as the model's checkpointing
+//!   says), and each segment's gradients are handed to the sums as soon
+//!   as its backward pass is queued, so on CUDA NCCL sums layer `l` while
+//!   the GPU computes the gradients of layer `l - 1`; otherwise each
+//!   worker queues the sums after its backward pass;
 //! * a check that fails on one worker (an id or label out of range) skips
 //!   the step on all of them (the skip flags are summed too), and the step's
 //!   error names that worker;
@@ -22,9 +30,9 @@
 //!
 //! The sums run through a [`Collective`]: on CUDA, NCCL through Burn's
 //! collective operations (`Collective::nccl`, feature `distributed`),
-//! queued on the device after the backward pass; on any backend, a
-//! rendezvous of the workers on the host ([`Collective::host`]), which
-//! reads every gradient back and suits tests and small models.
+//! queued on the device; on any backend, a rendezvous of the workers on
+//! the host ([`Collective::host`]), which reads every gradient back and
+//! suits tests and small models.
 
 use std::marker::PhantomData;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
@@ -37,6 +45,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Bool, Int, Tensor, TensorData};
 
+use crate::checkpointing::SegmentSink;
 use crate::{CausalLm, MicroBatch, ModelError, StepOutput, Trainer};
 
 /// How the workers' tensors are summed.
@@ -44,6 +53,23 @@ use crate::{CausalLm, MicroBatch, ModelError, StepOutput, Trainer};
 pub struct Collective<B: Backend> {
     reduce: Reduce<B>,
     workers: usize,
+    /// The gradients' sums, started segment by segment while the
+    /// backward passes run.
+    segments: Arc<SegmentSums<Part<B>>>,
+    /// Whether the gradients are summed during the backward pass (else
+    /// after it).
+    during_backward: bool,
+}
+
+/// One gradient (flattened) in a segment's sums.
+enum Part<B: Backend> {
+    /// Read back, for a host sum.
+    Host(TensorData),
+    /// On its worker's device, for NCCL, with the stream of the worker
+    /// that queued it: its sum is queued on that stream, whichever worker
+    /// starts it.
+    #[cfg_attr(not(feature = "distributed"), allow(dead_code))]
+    Device(Tensor<B, 1>, burn::tensor::StreamId),
 }
 
 #[derive(Clone)]
@@ -73,6 +99,8 @@ impl<B: Backend> Collective<B> {
         Self {
             reduce: Reduce::Host(Arc::new(HostSum::new(workers, wait)), PhantomData),
             workers,
+            segments: Arc::new(SegmentSums::new(workers)),
+            during_backward: true,
         }
     }
 
@@ -81,6 +109,11 @@ impl<B: Backend> Collective<B> {
     /// communication stream, which its compute stream then waits for (the
     /// host waits for the sums only where it reads them). NCCL is loaded
     /// at run time (`libnccl.so` on the library path).
+    ///
+    /// Each worker queues the sums of its gradients after its backward
+    /// pass, which works on every backend; on a backend that launches
+    /// each operation when it is called, [`Collective::during_backward`]
+    /// sums them while the backward pass runs.
     #[cfg(feature = "distributed")]
     pub fn nccl(devices: &[B::Device]) -> Result<Self, ModelError>
     where
@@ -112,7 +145,27 @@ impl<B: Backend> Collective<B> {
                 settle: B::sync_collective,
             },
             workers: devices.len(),
+            segments: Arc::new(SegmentSums::new(devices.len())),
+            during_backward: false,
         })
+    }
+
+    /// Sums the gradients while the backward pass runs: the backward pass
+    /// runs segment by segment (see the [module](self) documentation), and
+    /// the worker that hands over a segment's gradients last queues the
+    /// segment's all-reduces on every worker's device, so that NCCL sums
+    /// layer `l` while the GPUs compute the gradients of layer `l - 1`.
+    ///
+    /// For backends that launch each operation when it is called, such as
+    /// `CubeBackend` (`bastile::CudaDirect`). Under Burn's fusion stream
+    /// (`burn::backend::Cuda`), which queues operations and runs them
+    /// later, all-reduces queued from one worker's thread onto another's
+    /// device can wait on each other: there the sums stay after the
+    /// backward pass.
+    #[cfg(feature = "distributed")]
+    pub fn during_backward(mut self) -> Self {
+        self.during_backward = true;
+        self
     }
 
     /// Workers taking part.
@@ -144,13 +197,102 @@ impl<B: Backend> Collective<B> {
         }
     }
 
-    /// Whether a host rendezvous gave up waiting for a worker (its sums
-    /// since then are this worker's values alone).
-    fn broken(&self) -> bool {
+    /// A worker's part of a segment's sums, made on the worker's own
+    /// thread: on the host the tensor's values (no worker touches
+    /// another's tensors); on the device the tensor itself, with
+    /// `hand_over`, the worker's stream for its sums.
+    ///
+    /// Whichever worker starts the sum, it waits on the device for what
+    /// the worker had queued when it handed the tensor over, no more: a
+    /// one-element read of the tensor on `hand_over` orders that stream
+    /// after the kernels queued so far, and the sum is queued there later
+    /// (on the worker's compute stream it would also wait for every
+    /// kernel the worker queued in between).
+    #[cfg_attr(not(feature = "distributed"), allow(unused_variables))]
+    fn part(&self, t: Tensor<B, 1>, hand_over: burn::tensor::StreamId) -> Part<B> {
         match &self.reduce {
-            Reduce::Host(host, _) => host.state.lock().map_or(true, |s| s.broken),
+            Reduce::Host(..) => Part::Host(t.into_data()),
             #[cfg(feature = "distributed")]
-            Reduce::Device { .. } => false,
+            Reduce::Device { .. } => {
+                hand_over.executes(|| drop(t.clone().slice(0..1).add_scalar(0.0)));
+                Part::Device(t, hand_over)
+            }
+        }
+    }
+
+    /// Starts the sums of one segment: `parts[rank]` are worker `rank`'s
+    /// parts, in one order on every worker. On the device each tensor is
+    /// all-reduced in place on its worker's device (the calls are queued
+    /// worker by worker, in that one order on every device, as NCCL
+    /// needs); on the host the values are added.
+    fn sum_segment(&self, parts: Vec<Vec<Part<B>>>) -> Vec<Vec<Part<B>>> {
+        match &self.reduce {
+            Reduce::Host(..) => {
+                let count = parts[0].len();
+                let mut sums = Vec::with_capacity(count);
+                for i in 0..count {
+                    let column: Vec<TensorData> = parts
+                        .iter()
+                        .map(|p| match &p[i] {
+                            Part::Host(data) => data.clone(),
+                            Part::Device(..) => unreachable!("a host sum holds values"),
+                        })
+                        .collect();
+                    sums.push(add_parts(&column).convert_dtype(column[0].dtype));
+                }
+                (0..parts.len())
+                    .map(|_| sums.iter().cloned().map(Part::Host).collect())
+                    .collect()
+            }
+            #[cfg(feature = "distributed")]
+            Reduce::Device {
+                ids,
+                all_reduce,
+                settle,
+            } => parts
+                .into_iter()
+                .map(|part| {
+                    let mut sent_from = None;
+                    let sums = part
+                        .into_iter()
+                        .map(|p| match p {
+                            Part::Device(t, stream) => {
+                                sent_from.get_or_insert_with(|| (t.device(), stream));
+                                let t = stream.executes(|| {
+                                    all_reduce(t.into_primitive().tensor(), ids.clone())
+                                });
+                                Part::Device(
+                                    Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(t)),
+                                    stream,
+                                )
+                            }
+                            Part::Host(_) => unreachable!("a device sum holds tensors"),
+                        })
+                        .collect();
+                    if let Some((device, stream)) = sent_from {
+                        // Sent at once, as `World::send_sums` says why;
+                        // only the hand-over stream waits for them.
+                        stream.executes(|| settle(&device));
+                    }
+                    sums
+                })
+                .collect(),
+        }
+    }
+
+    /// Why the sums can no longer be trusted: a sum gave up on a worker
+    /// after `wait` (its sums since then are this worker's values alone),
+    /// or a worker failed before it handed over its gradients.
+    fn broken(&self, wait: Duration) -> Option<String> {
+        if let Some(why) = self.segments.broken() {
+            return Some(why);
+        }
+        match &self.reduce {
+            Reduce::Host(host, _) if host.state.lock().map_or(true, |s| s.broken) => Some(format!(
+                "a sum over the workers waited longer than {:.0} s for another worker",
+                wait.as_secs_f64()
+            )),
+            _ => None,
         }
     }
 
@@ -246,6 +388,156 @@ impl HostSum {
     }
 }
 
+/// The sums of the gradients, started while the backward passes run.
+///
+/// Every worker hands over its part of each segment (a module's completed
+/// gradients) as soon as the segment's backward pass is queued, and goes
+/// on; the worker that hands over a segment's last part starts that
+/// segment's sums for every worker, so on every device they are queued in
+/// one order (NCCL's calls must match across devices) and none waits for
+/// a worker's thread (which may be held by another worker's autodiff
+/// graph). At the end of its backward pass a worker takes its sums back.
+struct SegmentSums<T> {
+    state: Mutex<Segments<T>>,
+    changed: Condvar,
+}
+
+struct Segments<T> {
+    /// Segments some worker has not taken back; `open[0]` is number
+    /// `first`.
+    open: std::collections::VecDeque<Segment<T>>,
+    first: usize,
+    /// Segments each worker handed over.
+    handed: Vec<usize>,
+    /// Segments each worker took back.
+    taken: Vec<usize>,
+    /// Why the sums can no longer be trusted.
+    broken: Option<String>,
+}
+
+struct Segment<T> {
+    /// Each worker's part, then its sums.
+    parts: Vec<Option<Vec<T>>>,
+    summed: bool,
+    /// Workers that took their sums back.
+    taken: usize,
+}
+
+impl<T> SegmentSums<T> {
+    fn new(workers: usize) -> Self {
+        Self {
+            state: Mutex::new(Segments {
+                open: Default::default(),
+                first: 0,
+                handed: vec![0; workers],
+                taken: vec![0; workers],
+                broken: None,
+            }),
+            changed: Condvar::new(),
+        }
+    }
+
+    /// Hands over worker `rank`'s part of its next segment; with the
+    /// segment's last part, `sum` starts the sums of every worker's part
+    /// (called with the lock held, so that segments are summed in order).
+    fn hand_over(&self, rank: usize, part: Vec<T>, sum: impl FnOnce(Vec<Vec<T>>) -> Vec<Vec<T>>) {
+        let mut state = self.state.lock().expect("the segment sums' lock");
+        let state = &mut *state;
+        let index = state.handed[rank] - state.first;
+        state.handed[rank] += 1;
+        while state.open.len() <= index {
+            state.open.push_back(Segment {
+                parts: (0..state.handed.len()).map(|_| None).collect(),
+                summed: false,
+                taken: 0,
+            });
+        }
+        let segment = &mut state.open[index];
+        segment.parts[rank] = Some(part);
+        if state.broken.is_some() || segment.parts.iter().any(Option::is_none) {
+            return;
+        }
+        let lengths: Vec<usize> = segment.parts.iter().flatten().map(Vec::len).collect();
+        if lengths.iter().any(|&l| l != lengths[0]) {
+            state.broken = Some(format!(
+                "the workers' backward passes disagree: segment {} has {lengths:?} gradients on \
+                 the workers",
+                state.first + index
+            ));
+        } else {
+            let parts = segment
+                .parts
+                .iter_mut()
+                .map(|p| p.take().unwrap())
+                .collect();
+            for (slot, sums) in segment.parts.iter_mut().zip(sum(parts)) {
+                *slot = Some(sums);
+            }
+            segment.summed = true;
+        }
+        self.changed.notify_all();
+    }
+
+    /// Worker `rank`'s parts of the segments it handed over since it last
+    /// took some back, in order: their sums, once every worker handed
+    /// over its part. A worker missing for longer than `wait` breaks the
+    /// sums: the parts then come back as they are, and the reason stays
+    /// in [`Self::broken`].
+    fn take_back(&self, rank: usize, wait: Duration) -> Vec<Vec<T>> {
+        let deadline = Instant::now() + wait;
+        let mut state = self.state.lock().expect("the segment sums' lock");
+        let (from, to) = (state.taken[rank], state.handed[rank]);
+        while state.broken.is_none()
+            && !state
+                .open
+                .range(from - state.first..to - state.first)
+                .all(|s| s.summed)
+        {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                state.broken = Some(format!(
+                    "worker {rank} waited longer than {:.0} s for another worker's gradients",
+                    wait.as_secs_f64()
+                ));
+                self.changed.notify_all();
+                break;
+            }
+            state = self
+                .changed
+                .wait_timeout(state, left)
+                .expect("the segment sums' lock")
+                .0;
+        }
+        let first = state.first;
+        let mut back = Vec::with_capacity(to - from);
+        for segment in state.open.range_mut(from - first..to - first) {
+            back.push(segment.parts[rank].take().unwrap_or_default());
+            segment.taken += 1;
+        }
+        state.taken[rank] = to;
+        let workers = state.handed.len();
+        while state.open.front().is_some_and(|s| s.taken == workers) {
+            state.open.pop_front();
+            state.first += 1;
+        }
+        back
+    }
+
+    /// Breaks the sums: a worker failed before handing over its parts.
+    fn abandon(&self, why: String) {
+        let mut state = self.state.lock().expect("the segment sums' lock");
+        state.broken.get_or_insert(why);
+        self.changed.notify_all();
+    }
+
+    fn broken(&self) -> Option<String> {
+        match self.state.lock() {
+            Ok(state) => state.broken.clone(),
+            Err(_) => Some("a worker panicked while it summed gradients".into()),
+        }
+    }
+}
+
 /// The element-wise sum of same-shaped parts, in f32, in worker order.
 fn add_parts(parts: &[TensorData]) -> TensorData {
     let shape = parts[0].shape.clone();
@@ -281,6 +573,11 @@ impl Default for DataParallelOptions {
 pub(crate) struct World<B: AutodiffBackend> {
     pub(crate) collective: Collective<B::InnerBackend>,
     pub(crate) rank: usize,
+    /// The longest this worker waits for another's part of a sum.
+    pub(crate) wait: Duration,
+    /// The stream this worker's gradient sums are queued on (one of its
+    /// own, see [`Collective::part`]).
+    pub(crate) hand_over: burn::tensor::StreamId,
     pub(crate) backend: PhantomData<fn() -> B>,
 }
 
@@ -294,18 +591,47 @@ impl<B: AutodiffBackend> World<B> {
     /// the other workers' values arrive).
     pub(crate) fn sum<const D: usize>(&self, t: Tensor<B, D>) -> Tensor<B, D> {
         let device = t.device();
-        let summed = self.collective.sum(self.rank, t.inner());
+        let summed = self.sum_unsettled(t);
         self.settle(&device);
-        Tensor::from_inner(summed)
+        summed
     }
 
-    pub(crate) fn sum_int(&self, t: Tensor<B, 1, Int>) -> Tensor<B, 1, Int> {
-        self.sum(t.float()).int()
+    /// [`World::sum`] without the settling: nothing may read the sum
+    /// before [`World::settle`] (other work queued meanwhile runs while
+    /// the sum waits for the other workers).
+    pub(crate) fn sum_unsettled<const D: usize>(&self, t: Tensor<B, D>) -> Tensor<B, D> {
+        let device = t.device();
+        let summed = Tensor::from_inner(self.collective.sum(self.rank, t.inner()));
+        self.send_sums(&device);
+        summed
+    }
+
+    /// Hands the sums queued on `device` to the device's thread at once,
+    /// without ordering this worker's later work after them.
+    ///
+    /// CubeCL collects a device's operations in batches and starts one
+    /// when it fills or someone waits. An all-reduce left in a batch that
+    /// has not started can deadlock the step: NCCL's kernel on another GPU
+    /// waits for this one's, and that GPU's device thread may wait for
+    /// its GPU (loading a module waits for the running kernels, NCCL's
+    /// first call on a communicator waits for its peers' calls), while
+    /// the worker that would fill this batch waits for that device or for
+    /// another worker's autodiff graph. Settling on the hand-over stream
+    /// sends the batch, and only that stream waits for the sums.
+    pub(crate) fn send_sums(&self, device: &B::Device) {
+        self.hand_over.executes(|| self.settle(device));
     }
 
     /// True on every worker when it is true on any.
     pub(crate) fn any(&self, t: Tensor<B, 1, Bool>) -> Tensor<B, 1, Bool> {
         self.sum(t.float()).greater_elem(0.5)
+    }
+
+    /// Whether the gradients are summed during the backward pass
+    /// ([`World::gradient_sums`]) rather than after it
+    /// ([`World::sum_grads`]).
+    pub(crate) fn sums_during_backward(&self) -> bool {
+        self.collective.during_backward
     }
 
     /// Every trainable parameter's gradient summed over the workers (a
@@ -327,6 +653,16 @@ impl<B: AutodiffBackend> World<B> {
         visitor.grads
     }
 
+    /// A sink for one backward pass's gradients: each completed segment's
+    /// are handed over to the sums at once ([`SegmentSums`]);
+    /// [`GradientSums::finish`] puts the sums back.
+    pub(crate) fn gradient_sums(&self) -> GradientSums<'_, B> {
+        GradientSums {
+            world: self,
+            handed: Vec::new(),
+        }
+    }
+
     /// Sends every operation queued on `device` so far to the device,
     /// without waiting for it to run, where the sums run on the device (a
     /// host rendezvous reads each sum back, which waits for it anyway).
@@ -337,12 +673,21 @@ impl<B: AutodiffBackend> World<B> {
         self.settle(device);
     }
 
-    /// Whether the sums can no longer be trusted.
-    pub(crate) fn broken(&self) -> bool {
-        self.collective.broken()
+    /// Why the sums can no longer be trusted, if they cannot.
+    pub(crate) fn broken(&self) -> Option<String> {
+        self.collective.broken(self.wait)
     }
 
-    fn settle(&self, device: &B::Device) {
+    /// Breaks the sums, so that no worker waits for this one's part of
+    /// them: it failed before it handed over its gradients.
+    pub(crate) fn abandon(&self, why: impl std::fmt::Display) {
+        self.collective
+            .segments
+            .abandon(format!("worker {} failed: {why}", self.rank));
+    }
+
+    /// Makes `device`'s later work wait for the sums queued so far.
+    pub(crate) fn settle(&self, device: &B::Device) {
         use burn::tensor::backend::DeviceOps;
         self.collective.settle(device.inner());
     }
@@ -364,6 +709,88 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for SumGrads<'_, B> {
             .unwrap_or_else(|| param.val().inner().zeros_like());
         let summed = self.world.collective.sum(self.world.rank, grad);
         self.grads.register(param.id, summed);
+    }
+}
+
+/// Hands the gradients of a segmented backward pass over to the sums as
+/// they complete, and puts the sums back at its end.
+pub(crate) struct GradientSums<'a, B: AutodiffBackend> {
+    world: &'a World<B>,
+    /// How to put each handed-over gradient back, in order.
+    handed: Vec<Vec<PutBack<B>>>,
+}
+
+/// Registers a summed, flattened gradient under its parameter, in its
+/// shape.
+type PutBack<B> =
+    Box<dyn FnOnce(Tensor<<B as AutodiffBackend>::InnerBackend, 1>, &mut GradientsParams)>;
+
+impl<B: AutodiffBackend> SegmentSink<B> for GradientSums<'_, B> {
+    fn completed<M: Module<B>>(&mut self, module: &M, grads: &mut GradientsParams) {
+        let mut take = TakeCompleted {
+            grads,
+            flat: Vec::new(),
+            put_back: Vec::new(),
+        };
+        module.visit(&mut take);
+        let collective = &self.world.collective;
+        let hand_over = self.world.hand_over;
+        let part = take
+            .flat
+            .into_iter()
+            .map(|t| collective.part(t, hand_over))
+            .collect();
+        collective
+            .segments
+            .hand_over(self.world.rank, part, |parts| collective.sum_segment(parts));
+        self.handed.push(take.put_back);
+    }
+}
+
+impl<B: AutodiffBackend> GradientSums<'_, B> {
+    /// Puts every handed-over gradient back into `grads` as its sum over
+    /// the workers (waiting for the other workers' parts, at most the
+    /// world's wait), and makes `device`'s later work wait for the sums.
+    /// A broken sum puts this worker's own gradients back (the step then
+    /// fails: [`World::broken`]).
+    pub(crate) fn finish(self, grads: &mut GradientsParams, device: &B::Device) {
+        let world = self.world;
+        let back = world.collective.segments.take_back(world.rank, world.wait);
+        for (sums, put_back) in back.into_iter().zip(self.handed) {
+            for (sum, put) in sums.into_iter().zip(put_back) {
+                let sum = match sum {
+                    Part::Host(data) => {
+                        use burn::tensor::backend::DeviceOps;
+                        Tensor::from_data(data, device.inner())
+                    }
+                    Part::Device(t, _) => t,
+                };
+                put(sum, grads);
+            }
+        }
+        world.settle(device);
+    }
+}
+
+/// Takes the gradients of a module's trainable parameters out of `grads`,
+/// flattened, with how to put each back.
+struct TakeCompleted<'a, B: AutodiffBackend> {
+    grads: &'a mut GradientsParams,
+    flat: Vec<Tensor<B::InnerBackend, 1>>,
+    put_back: Vec<PutBack<B>>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for TakeCompleted<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) else {
+            return;
+        };
+        let (id, shape) = (param.id, grad.dims());
+        self.flat
+            .push(grad.reshape([shape.iter().product::<usize>()]));
+        self.put_back.push(Box::new(move |sum, grads| {
+            grads.register::<B::InnerBackend, D>(id, sum.reshape(shape));
+        }));
     }
 }
 
@@ -541,6 +968,8 @@ where
             let world = World {
                 collective: collective.clone(),
                 rank,
+                wait: options.wait,
+                hand_over: new_stream()?,
                 backend: PhantomData,
             };
             let replica = model.clone();
@@ -575,6 +1004,8 @@ where
         self.world = Some(World {
             collective,
             rank: 0,
+            wait: options.wait,
+            hand_over: new_stream()?,
             backend: PhantomData,
         });
         let mut peers = Peers {
@@ -599,6 +1030,15 @@ where
     pub fn workers(&self) -> usize {
         self.peers.as_ref().map_or(1, |p| p.peers.len() + 1)
     }
+}
+
+/// A stream id no thread runs on: the id a new thread gets.
+fn new_stream() -> Result<burn::tensor::StreamId, ModelError> {
+    std::thread::spawn(burn::tensor::StreamId::current)
+        .join()
+        .map_err(|_| {
+            ModelError::Device("a thread to name a stream for the gradient sums panicked".into())
+        })
 }
 
 /// Replaces every float parameter by a copy made on the calling thread
@@ -697,6 +1137,12 @@ fn serve<B>(
             }
         }));
         let answer = answer.map_err(|panic| panic_message(&*panic));
+        if let (Err(message), Some(world)) =
+            (&answer, trainer.as_ref().and_then(|t| t.world.as_ref()))
+        {
+            // The others would wait for this worker's gradients.
+            world.abandon(message);
+        }
         let unusable = answer.is_err() || trainer.is_none();
         if outbox.send(answer).is_err() || unusable {
             return;
@@ -721,11 +1167,6 @@ impl<B: AutodiffBackend> Peers<B> {
                 worker: *worker,
                 message: message.clone(),
             })
-    }
-
-    /// The longest a step waits for another worker.
-    pub(crate) fn wait(&self) -> Duration {
-        self.wait
     }
 
     /// Workers, this one included.
@@ -967,6 +1408,93 @@ mod tests {
                 assert_eq!(got, &vec![3.0 + 30.0 * round as f32, 3.0]);
             }
         }
+    }
+
+    /// Three workers hand over four segments each, at their own pace; a
+    /// segment is summed once, by whichever worker came last, and in
+    /// segment order.
+    #[test]
+    fn segment_sums_start_in_order_once_every_part_is_in() {
+        let sums = Arc::new(SegmentSums::<f64>::new(3));
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let threads: Vec<_> = (0..3)
+            .map(|rank| {
+                let (sums, order) = (sums.clone(), order.clone());
+                std::thread::spawn(move || {
+                    let mut back = Vec::new();
+                    for segment in 0..4 {
+                        std::thread::sleep(Duration::from_millis((rank * 3 + segment) as u64 % 5));
+                        let part = vec![rank as f64 + 10.0 * segment as f64; segment + 1];
+                        sums.hand_over(rank, part, |parts| {
+                            order.lock().unwrap().push(segment);
+                            let total: Vec<f64> = (0..parts[0].len())
+                                .map(|i| parts.iter().map(|p| p[i]).sum())
+                                .collect();
+                            vec![total; parts.len()]
+                        });
+                        if segment % 2 == 1 {
+                            back.extend(sums.take_back(rank, Duration::from_secs(20)));
+                        }
+                    }
+                    back
+                })
+            })
+            .collect();
+        for t in threads {
+            let back = t.join().unwrap();
+            assert_eq!(back.len(), 4);
+            for (segment, got) in back.iter().enumerate() {
+                // 0 + 1 + 2 plus 10·segment from each worker.
+                assert_eq!(got, &vec![3.0 + 30.0 * segment as f64; segment + 1]);
+            }
+        }
+        assert_eq!(*order.lock().unwrap(), vec![0, 1, 2, 3]);
+        let state = sums.state.lock().unwrap();
+        assert!(state.open.is_empty() && state.first == 4 && state.broken.is_none());
+    }
+
+    #[test]
+    fn segment_sums_give_up_on_a_missing_or_failed_worker() {
+        let sum = |_: Vec<Vec<f64>>| -> Vec<Vec<f64>> { panic!("a part is missing") };
+        let sums = SegmentSums::<f64>::new(2);
+        sums.hand_over(0, vec![5.0], sum);
+        // This worker's own part comes back, and the sums stay broken.
+        assert_eq!(
+            sums.take_back(0, Duration::from_millis(50)),
+            vec![vec![5.0]]
+        );
+        let why = sums.broken().unwrap();
+        assert!(why.contains("worker 0 waited longer than"), "{why}");
+
+        let sums = Arc::new(SegmentSums::<f64>::new(2));
+        let waiting = {
+            let sums = sums.clone();
+            std::thread::spawn(move || {
+                sums.hand_over(0, vec![1.0, 2.0], sum);
+                let started = Instant::now();
+                (
+                    sums.take_back(0, Duration::from_secs(600)),
+                    started.elapsed(),
+                )
+            })
+        };
+        std::thread::sleep(Duration::from_millis(20));
+        sums.abandon("worker 1 failed: a label out of range".into());
+        let (back, waited) = waiting.join().unwrap();
+        assert_eq!(back, vec![vec![1.0, 2.0]]);
+        assert!(waited < Duration::from_secs(60), "{waited:?}");
+        assert!(sums.broken().unwrap().contains("worker 1 failed"));
+    }
+
+    #[test]
+    fn segment_sums_refuse_parts_of_different_lengths() {
+        let sums = SegmentSums::<f64>::new(2);
+        let sum = |p: Vec<Vec<f64>>| p;
+        sums.hand_over(0, vec![1.0, 2.0], sum);
+        sums.hand_over(1, vec![1.0], sum);
+        let why = sums.broken().unwrap();
+        assert!(why.contains("segment 0 has [2, 1] gradients"), "{why}");
+        assert_eq!(sums.take_back(1, Duration::from_secs(1)), vec![vec![1.0]]);
     }
 
     #[test]

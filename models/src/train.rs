@@ -409,17 +409,14 @@ where
         let applied = out.is_ok();
         let split = outcomes.iter().any(|(o, _)| o.is_ok() != applied);
         let mut out = combine((out, cause), outcomes);
-        let broken = self.world.as_ref().is_some_and(World::broken);
-        if broken {
+        let broken = self.world.as_ref().and_then(World::broken);
+        if let (Some(why), Ok(_)) = (&broken, &out) {
             out = Err(ModelError::Worker {
                 worker: 0,
-                message: format!(
-                    "a sum over the workers waited longer than {:.0} s for another worker",
-                    peers.wait().as_secs_f64()
-                ),
+                message: why.clone(),
             });
         }
-        if let (true, Err(e)) = (split || broken, &out) {
+        if let (true, Err(e)) = (split || broken.is_some(), &out) {
             peers.fail_here(e);
         }
         (model, out)
@@ -437,6 +434,9 @@ where
     {
         if micro_batches.is_empty() {
             let e = ModelError::Config("a step needs at least one micro-batch".into());
+            if let Some(world) = &self.world {
+                world.abandon(&e);
+            }
             return (model, Err(e), Cause::Early);
         }
         let step = self.step + 1;
@@ -464,6 +464,10 @@ where
             }
             None => verdict,
         };
+        if let (Err(e), Cause::Early, Some(world)) = (&verdict, cause, &self.world) {
+            // The other workers would wait for this one's gradients.
+            world.abandon(e);
+        }
         if verdict.is_err()
             && counted
             && let TrainOptimizer::Fused(adamw) = &mut self.optimizer
@@ -581,12 +585,25 @@ where
             }
         }
         let device = micro_batches[0].labels.device();
-        let mut total = total.unwrap_or_else(|| Tensor::zeros([1], &device));
-        if let Some(world) = &self.world {
-            // Every worker's loss is divided by the tokens of all of them.
-            total = world.sum_int(total);
-        }
-        let divisor = total.clone().float().clamp_min(1.0);
+        let total = total.unwrap_or_else(|| Tensor::zeros([1], &device));
+        // Every worker's loss is divided by the tokens of all of them:
+        // their sum waits for the other workers while the forward pass is
+        // queued, and is read once the first loss is divided by it.
+        let summing = self
+            .world
+            .as_ref()
+            .map(|world| (world, world.sum_unsettled(total.clone().float())));
+        let mut divided_by: Option<Tensor<B, 1>> = None;
+        let mut divisor = || {
+            let divisor = divided_by.get_or_insert_with(|| match &summing {
+                Some((world, sum)) => {
+                    world.settle(&device);
+                    sum.clone().clamp_min(1.0)
+                }
+                None => total.clone().float().clamp_min(1.0),
+            });
+            divisor.clone()
+        };
         let options = CrossEntropyOptions::default()
             .with_reduction(Reduction::Sum)
             .with_weight_grad_sum(self.config.loss_weight_grad_sum)
@@ -597,23 +614,48 @@ where
         let mut id_checks = Vec::with_capacity(micro_batches.len());
         for m in micro_batches {
             id_checks.push(model.check_token_ids(&m.ids));
-            let (out, grads) = model.loss_and_grads(
-                m.ids.clone(),
-                m.labels.clone(),
-                m.positions.clone(),
-                options,
-                divisor.clone(),
-            )?;
+            let (ids, labels, positions) = (m.ids.clone(), m.labels.clone(), m.positions.clone());
+            let (out, grads) = match &self.world {
+                // Each segment's gradients are summed over the workers as
+                // soon as its backward pass is queued, while the rest of
+                // the backward pass runs.
+                Some(world) if world.sums_during_backward() => {
+                    let mut sums = world.gradient_sums();
+                    let (out, mut grads) = model.loss_and_grads_into(
+                        ids,
+                        labels,
+                        positions,
+                        options,
+                        &mut divisor,
+                        Some(&mut sums),
+                    )?;
+                    sums.finish(&mut grads, &device);
+                    (out, grads)
+                }
+                _ => model.loss_and_grads(ids, labels, positions, options, divisor())?,
+            };
             losses.push(out.loss);
             checks.push(out.label_check.expect("a deferred label check"));
             accumulator.accumulate(model, grads);
         }
+        let settled = divided_by.is_some();
+        let total = match summing {
+            Some((world, sum)) => {
+                if !settled {
+                    world.settle(&device);
+                }
+                sum.int()
+            }
+            None => total,
+        };
         let mut grads = accumulator.grads();
+        if let Some(world) = self.world.as_ref().filter(|w| !w.sums_during_backward()) {
+            grads = world.sum_grads(model, grads, &device);
+        }
         let mut loss = Tensor::cat(losses, 0).sum();
         let own_skip = skip_flag(&loss, &total, &checks, &id_checks);
         let skip = match &self.world {
             Some(world) => {
-                grads = world.sum_grads(model, grads, &device);
                 loss = world.sum(loss);
                 world.any(own_skip.clone().bool_or(skip_flag(&loss, &total, &[], &[])))
             }

@@ -208,19 +208,35 @@ fn workers_summing_gradients_train_as_one_worker_accumulating() {
             "wgpu",
         );
     }
-    // NCCL over the CUDA GPUs there are (one per worker), over Burn's
-    // fusion stream (models with experts) and without it (dense models).
-    #[cfg(feature = "distributed")]
+}
+
+/// NCCL over the CUDA GPUs there are (one per worker), over Burn's fusion
+/// stream (models with experts), which sums after the backward pass.
+#[cfg(feature = "distributed")]
+#[test]
+fn nccl_workers_summing_after_the_backward_pass_train_as_one_worker_accumulating() {
     if runtime_selected("cuda", true) {
-        nccl_workers_train_as_one::<bastile::Bastile<burn::backend::Cuda>>("cuda (NCCL)");
-        nccl_workers_train_as_one::<bastile::Bastile<bastile::CudaDirect>>("cuda direct (NCCL)");
+        nccl_workers_train_as_one::<bastile::Bastile<burn::backend::Cuda>>("cuda (NCCL)", false);
+    }
+}
+
+/// NCCL over the CUDA GPUs there are, without the fusion stream (dense
+/// models), summing each segment's gradients during the backward pass.
+#[cfg(feature = "distributed")]
+#[test]
+fn nccl_workers_summing_during_the_backward_pass_train_as_one_worker_accumulating() {
+    if runtime_selected("cuda", true) {
+        nccl_workers_train_as_one::<bastile::Bastile<bastile::CudaDirect>>(
+            "cuda direct (NCCL, during the backward pass)",
+            true,
+        );
     }
 }
 
 /// [`workers_train_as_one`] over NCCL, one worker on each CUDA GPU (up to
-/// three).
+/// three), the gradients summed during the backward pass or after it.
 #[cfg(feature = "distributed")]
-fn nccl_workers_train_as_one<X>(backend: &str)
+fn nccl_workers_train_as_one<X>(backend: &str, during_backward: bool)
 where
     X: BastileBackend + burn::tensor::backend::distributed::DistributedBackend,
     CausalLm<burn::backend::Autodiff<X>>:
@@ -235,7 +251,14 @@ where
     eprintln!("{backend}: NCCL over {count} GPUs");
     workers_train_as_one::<burn::backend::Autodiff<X>>(
         &devices,
-        |d| Collective::nccl(d).unwrap(),
+        |d| {
+            let c = Collective::nccl(d).unwrap();
+            if during_backward {
+                c.during_backward()
+            } else {
+                c
+            }
+        },
         backend,
     );
 }
