@@ -12,7 +12,7 @@
 //!   divided by them, and every micro-batch's gradients are summed, so the
 //!   step equals one worker's step over all the micro-batches (gradient
 //!   accumulation), up to the summation order;
-//! * with [`Collective::host`] and [`Collective::during_backward`] the
+//! * with [`Collective::host`] and `Collective::during_backward` the
 //!   gradients are summed while the backward pass runs: it runs segment
 //!   by segment (the head and loss, each decoder layer last first, the
 //!   embeddings; layers are recomputed only as the model's checkpointing

@@ -1,32 +1,10 @@
 """The tables of this folder's README section, from the lease files (c1, c2
 and c3 ran on one machine, one call after another) and, for the peers not
 run again, from ../sweep-cudnn-h200/lease-1 and lease-2."""
-import glob, json, os
+import os, sys
 
-here = os.path.dirname(os.path.abspath(__file__))
-
-
-def bastile(pattern):
-    rows = {}
-    for f in sorted(glob.glob(os.path.join(here, pattern))):
-        for r in json.load(open(f))["train"]:
-            rows[(r["model"], r["batch"], r["seq"])] = r
-    return rows
-
-
-def torch(pattern):
-    rows = {}
-    for f in sorted(glob.glob(os.path.join(here, pattern))):
-        for line in open(f):
-            r = json.loads(line)
-            rows[(r["model"], r["batch"], r["seq"], r["implementation"])] = r
-    return rows
-
-
-def ms(r):
-    lo, hi = r["ms_range"]
-    return f"{r['ms_per_step']:.1f} ({lo:.1f}–{hi:.1f})"
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lease_tables import bastile, ms, torch  # noqa: E402
 
 chunks = bastile("c1/*-sweep.json")
 exact2 = bastile("c2/[34]-sweep.json")

@@ -1,30 +1,8 @@
 """The tables of this folder's README section, from the lease files."""
-import glob, json, os
+import os, sys
 
-here = os.path.dirname(os.path.abspath(__file__))
-
-
-def bastile(pattern):
-    rows = {}
-    for f in sorted(glob.glob(os.path.join(here, pattern))):
-        for r in json.load(open(f))["train"]:
-            rows[(r["model"], r["batch"], r["seq"])] = r
-    return rows
-
-
-def torch(pattern):
-    rows = {}
-    for f in sorted(glob.glob(os.path.join(here, pattern))):
-        for line in open(f):
-            r = json.loads(line)
-            rows[(r["model"], r["batch"], r["seq"], r["implementation"])] = r
-    return rows
-
-
-def ms(r):
-    lo, hi = r["ms_range"]
-    return f"{r['ms_per_step']:.1f} ({lo:.1f}–{hi:.1f})"
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lease_tables import bastile, ms, torch  # noqa: E402
 
 main = bastile("lease-1/a1-*sweep.json")
 chunks = bastile("lease-3/c6-*sweep.json")
