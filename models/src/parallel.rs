@@ -246,9 +246,7 @@ impl<B: Backend> Collective<B> {
             }
             #[cfg(feature = "distributed")]
             Reduce::Device {
-                ids,
-                all_reduce,
-                settle,
+                ids, all_reduce, ..
             } => parts
                 .into_iter()
                 .map(|part| {
@@ -270,9 +268,7 @@ impl<B: Backend> Collective<B> {
                         })
                         .collect();
                     if let Some((device, stream)) = sent_from {
-                        // Sent at once, as `World::send_sums` says why;
-                        // only the hand-over stream waits for them.
-                        stream.executes(|| settle(&device));
+                        self.send(&device, stream);
                     }
                     sums
                 })
@@ -294,6 +290,23 @@ impl<B: Backend> Collective<B> {
             )),
             _ => None,
         }
+    }
+
+    /// Hands the sums queued on `device` to the device's thread at once;
+    /// only `stream` (a hand-over stream) waits for them, not the
+    /// worker's later work.
+    ///
+    /// CubeCL collects a device's operations in batches and starts one
+    /// when it fills or someone waits. An all-reduce left in a batch that
+    /// has not started can deadlock the step: NCCL's kernel on another GPU
+    /// waits for this one's, and that GPU's device thread may wait for
+    /// its GPU (loading a module waits for the running kernels, NCCL's
+    /// first call on a communicator waits for its peers' calls), while
+    /// the worker that would fill this batch waits for that device or for
+    /// another worker's autodiff graph. Settling on `stream` sends the
+    /// batch.
+    fn send(&self, device: &B::Device, stream: burn::tensor::StreamId) {
+        stream.executes(|| self.settle(device));
     }
 
     /// Makes `device`'s later work wait for the sums queued so far.
@@ -607,19 +620,11 @@ impl<B: AutodiffBackend> World<B> {
     }
 
     /// Hands the sums queued on `device` to the device's thread at once,
-    /// without ordering this worker's later work after them.
-    ///
-    /// CubeCL collects a device's operations in batches and starts one
-    /// when it fills or someone waits. An all-reduce left in a batch that
-    /// has not started can deadlock the step: NCCL's kernel on another GPU
-    /// waits for this one's, and that GPU's device thread may wait for
-    /// its GPU (loading a module waits for the running kernels, NCCL's
-    /// first call on a communicator waits for its peers' calls), while
-    /// the worker that would fill this batch waits for that device or for
-    /// another worker's autodiff graph. Settling on the hand-over stream
-    /// sends the batch, and only that stream waits for the sums.
+    /// without ordering this worker's later work after them
+    /// ([`Collective::send`], on the hand-over stream).
     pub(crate) fn send_sums(&self, device: &B::Device) {
-        self.hand_over.executes(|| self.settle(device));
+        use burn::tensor::backend::DeviceOps;
+        self.collective.send(device.inner(), self.hand_over);
     }
 
     /// True on every worker when it is true on any.
