@@ -30,3 +30,11 @@ def ms(r):
     """A row's median step time with its range."""
     lo, hi = r["ms_range"]
     return f"{r['ms_per_step']:.1f} ({lo:.1f}–{hi:.1f})"
+
+
+def sweep_shapes():
+    """(model, batch, seq) of the all-lengths sweeps, in table order."""
+    for model in ["qwen3-0.6b", "llama-3.2-1b"]:
+        for batch in [1, 4]:
+            for seq in [1024, 2048, 4096, 8192]:
+                yield model, batch, seq

@@ -4,7 +4,7 @@ run again, from ../sweep-cudnn-h200/lease-1 and lease-2."""
 import os, sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lease_tables import bastile, ms, torch  # noqa: E402
+from lease_tables import bastile, ms, sweep_shapes, torch  # noqa: E402
 
 chunks = bastile("c1/*-sweep.json")
 exact2 = bastile("c2/[34]-sweep.json")
@@ -19,22 +19,20 @@ names = {"HF transformers": "HF", "HF + Liger-Kernel": "Liger", "HF + torch.comp
 print("| model | batch × tokens | Bastile (Chunks) ms | in use MiB | `Exact` in use MiB (sweep-cudnn) "
       "| HF + Liger in use MiB | best PyTorch row ms | best PyTorch ÷ Bastile |")
 print("|---|---|---:|---:|---:|---:|---|---:|")
-for model in ["qwen3-0.6b", "llama-3.2-1b"]:
-    for batch in [1, 4]:
-        for seq in [1024, 2048, 4096, 8192]:
-            b = chunks[(model, batch, seq)]
-            best = None
-            for impl in names:
-                r = here_peers.get((model, batch, seq, impl))
-                tag = "this lease"
-                if r is None:
-                    r, tag = old_peers.get((model, batch, seq, impl)), "sweep-cudnn"
-                if r and (best is None or r["ms_per_step"] < best[0]["ms_per_step"]):
-                    best = (r, f"{names[impl]}, {tag}")
-            liger = old_peers[(model, batch, seq, "HF + Liger-Kernel")]
-            print(f"| {model} | {batch} × {seq} | {ms(b)} | {b['in_use_mib']:.0f} | "
-                  f"{old_main[(model, batch, seq)]['in_use_mib']:.0f} | {liger['in_use_mib']:.0f} | "
-                  f"{best[0]['ms_per_step']:.1f} ({best[1]}) | {best[0]['ms_per_step'] / b['ms_per_step']:.2f}× |")
+for model, batch, seq in sweep_shapes():
+    b = chunks[(model, batch, seq)]
+    best = None
+    for impl in names:
+        r = here_peers.get((model, batch, seq, impl))
+        tag = "this lease"
+        if r is None:
+            r, tag = old_peers.get((model, batch, seq, impl)), "sweep-cudnn"
+        if r and (best is None or r["ms_per_step"] < best[0]["ms_per_step"]):
+            best = (r, f"{names[impl]}, {tag}")
+    liger = old_peers[(model, batch, seq, "HF + Liger-Kernel")]
+    print(f"| {model} | {batch} × {seq} | {ms(b)} | {b['in_use_mib']:.0f} | "
+          f"{old_main[(model, batch, seq)]['in_use_mib']:.0f} | {liger['in_use_mib']:.0f} | "
+          f"{best[0]['ms_per_step']:.1f} ({best[1]}) | {best[0]['ms_per_step'] / b['ms_per_step']:.2f}× |")
 print()
 print("Same lease, alternating (c2): Exact, then HF + Liger-Kernel, then Chunks:")
 for k in sorted(exact2):
