@@ -205,12 +205,23 @@ where
             None => take_grads(&mut segment, &self.model.embed_tokens, &mut grads),
         }
         let mut dx = input_grad(&leaf, &mut segment);
+        let weight = &self.model.embed_tokens.weight;
+        // Whether the sink sums the lookup's part of the embeddings'
+        // gradient on its own (from every worker's ids and output
+        // gradients), so that the rest of it can go now.
+        let gathers = weight.val().is_require_grad()
+            && sink
+                .as_deref()
+                .is_some_and(|s| s.gathers_lookup(self.config.vocab_size));
         if let Some(sink) = sink.as_deref_mut() {
-            // The tied embeddings' gradient is complete only once the
-            // lookup's part joins it, after the last layer.
             sink.completed(&self.model.norm, &mut grads);
-            if let Some(head) = &self.lm_head {
-                sink.completed(head, &mut grads);
+            match &self.lm_head {
+                Some(head) => sink.completed(head, &mut grads),
+                // The tied embeddings' head part; otherwise their gradient
+                // is complete only once the lookup's part joins it, after
+                // the last layer.
+                None if gathers => sink.completed(&self.model.embed_tokens, &mut grads),
+                None => {}
             }
         }
         for (layer, saved) in self.model.layers.iter().zip(saved).rev() {
@@ -242,10 +253,12 @@ where
                 sink.completed(layer, &mut grads);
             }
         }
-        // The lookup's gradient goes straight into the tied head's, when
-        // there is one, rather than into zeros added to it afterwards.
-        let weight = &self.model.embed_tokens.weight;
-        if weight.val().is_require_grad() {
+        if let (true, Some(sink)) = (gathers, sink.as_deref_mut()) {
+            sink.lookup(weight, ids.inner(), dx.inner());
+        } else if weight.val().is_require_grad() {
+            // The lookup's gradient goes straight into the tied head's,
+            // when there is one, rather than into zeros added to it
+            // afterwards.
             let earlier = grads.remove::<B::InnerBackend, 2>(weight.id);
             let start = earlier.unwrap_or_else(|| weight.val().inner().zeros_like());
             let grad = bastile::add_embedding_grad(start, ids.inner(), dx.inner())?;
@@ -265,6 +278,24 @@ pub(crate) trait SegmentSink<B: AutodiffBackend> {
     /// The gradients of `module`'s parameters in `grads` are complete:
     /// the sink may take them out (it puts them back later).
     fn completed<M: Module<B>>(&mut self, module: &M, grads: &mut GradientsParams);
+
+    /// Whether the sink takes the embedding lookup's part of the
+    /// embeddings' gradient as the lookup's ids and output gradient
+    /// ([`SegmentSink::lookup`]) for a vocabulary of `vocab`: the rest of
+    /// the embeddings' gradient (a tied head's) is then handed over with
+    /// the head.
+    fn gathers_lookup(&self, vocab: usize) -> bool;
+
+    /// The lookup's part of `weight`'s gradient, as the lookup's `ids`
+    /// `[batch, seq]` and output gradient `dx` `[batch, seq, hidden]`: the
+    /// sink adds the rows to the rest of the gradient when it puts it
+    /// back.
+    fn lookup(
+        &mut self,
+        weight: &Param<Tensor<B, 2>>,
+        ids: Tensor<B::InnerBackend, 2, Int>,
+        dx: Tensor<B::InnerBackend, 3>,
+    );
 }
 
 /// No sink: [`CausalLm::loss_and_grads`].
@@ -272,6 +303,19 @@ pub(crate) enum NoSink {}
 
 impl<B: AutodiffBackend> SegmentSink<B> for NoSink {
     fn completed<M: Module<B>>(&mut self, _: &M, _: &mut GradientsParams) {
+        match *self {}
+    }
+
+    fn gathers_lookup(&self, _: usize) -> bool {
+        match *self {}
+    }
+
+    fn lookup(
+        &mut self,
+        _: &Param<Tensor<B, 2>>,
+        _: Tensor<B::InnerBackend, 2, Int>,
+        _: Tensor<B::InnerBackend, 3>,
+    ) {
         match *self {}
     }
 }

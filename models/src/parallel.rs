@@ -18,8 +18,13 @@
 //!   embeddings; layers are recomputed only as the model's checkpointing
 //!   says), and each segment's gradients are handed to the sums as soon
 //!   as its backward pass is queued, so on CUDA NCCL sums layer `l` while
-//!   the GPU computes the gradients of layer `l - 1`; otherwise each
-//!   worker queues the sums after its backward pass;
+//!   the GPU computes the gradients of layer `l - 1`; the embedding
+//!   lookup's part of the embeddings' gradient is not summed whole but
+//!   gathered (every worker's ids and output gradients, `tokens ×
+//!   (hidden + 1)` values a worker instead of `vocab × hidden`) and added
+//!   on every worker, so a tied head's part is summed with the head,
+//!   early; otherwise each worker queues the sums after its backward
+//!   pass;
 //! * a check that fails on one worker (an id or label out of range) skips
 //!   the step on all of them (the skip flags are summed too), and the step's
 //!   error names that worker;
@@ -227,23 +232,9 @@ impl<B: Backend> Collective<B> {
     /// needs); on the host the values are added.
     fn sum_segment(&self, parts: Vec<Vec<Part<B>>>) -> Vec<Vec<Part<B>>> {
         match &self.reduce {
-            Reduce::Host(..) => {
-                let count = parts[0].len();
-                let mut sums = Vec::with_capacity(count);
-                for i in 0..count {
-                    let column: Vec<TensorData> = parts
-                        .iter()
-                        .map(|p| match &p[i] {
-                            Part::Host(data) => data.clone(),
-                            Part::Device(..) => unreachable!("a host sum holds values"),
-                        })
-                        .collect();
-                    sums.push(add_parts(&column).convert_dtype(column[0].dtype));
-                }
-                (0..parts.len())
-                    .map(|_| sums.iter().cloned().map(Part::Host).collect())
-                    .collect()
-            }
+            Reduce::Host(..) => combine_on_host(&parts, |column| {
+                add_parts(column).convert_dtype(column[0].dtype)
+            }),
             #[cfg(feature = "distributed")]
             Reduce::Device {
                 ids, all_reduce, ..
@@ -273,6 +264,66 @@ impl<B: Backend> Collective<B> {
                     sums
                 })
                 .collect(),
+        }
+    }
+
+    /// Starts the gathers of one segment: `parts[rank]` are worker
+    /// `rank`'s parts, in one order on every worker, each of any length.
+    /// Every worker gets, for each part, every worker's values in worker
+    /// order: on the host one after another; on the device in a slot per
+    /// worker as long as the longest worker's part, the rest of each slot
+    /// zeros (each worker writes its slot and the slots are all-reduced,
+    /// which adds only zeros to every value).
+    fn gather_segment(&self, parts: Vec<Vec<Part<B>>>) -> Vec<Vec<Part<B>>> {
+        match &self.reduce {
+            Reduce::Host(..) => combine_on_host(&parts, |column| {
+                let mut values = Vec::new();
+                for data in column {
+                    let data = data.clone().convert::<f32>();
+                    values.extend_from_slice(data.as_slice::<f32>().expect("f32 values"));
+                }
+                let len = values.len();
+                TensorData::new(values, [len]).convert_dtype(column[0].dtype)
+            }),
+            #[cfg(feature = "distributed")]
+            Reduce::Device { .. } => {
+                let workers = parts.len();
+                let len = |p: &Part<B>| match p {
+                    Part::Device(t, _) => t.dims()[0],
+                    Part::Host(_) => unreachable!("a device gather holds tensors"),
+                };
+                let slots: Vec<usize> = (0..parts[0].len())
+                    .map(|i| parts.iter().map(|p| len(&p[i])).max().unwrap_or(0))
+                    .collect();
+                let placed = parts
+                    .into_iter()
+                    .enumerate()
+                    .map(|(rank, part)| {
+                        part.into_iter()
+                            .zip(&slots)
+                            .map(|(p, &slot)| {
+                                let Part::Device(t, stream) = p else {
+                                    unreachable!("a device gather holds tensors")
+                                };
+                                let placed = stream.executes(|| {
+                                    let n = t.dims()[0];
+                                    let all = Tensor::<B, 1>::zeros(
+                                        [workers * slot],
+                                        (&t.device(), t.dtype()),
+                                    );
+                                    if n == 0 {
+                                        all
+                                    } else {
+                                        all.slice_assign(rank * slot..rank * slot + n, t)
+                                    }
+                                });
+                                Part::Device(placed, stream)
+                            })
+                            .collect()
+                    })
+                    .collect();
+                self.sum_segment(placed)
+            }
         }
     }
 
@@ -551,6 +602,29 @@ impl<T> SegmentSums<T> {
     }
 }
 
+/// Every worker's copy of `combine` applied to each column of host parts
+/// (part `i` of every worker, in worker order).
+fn combine_on_host<B: Backend>(
+    parts: &[Vec<Part<B>>],
+    combine: impl Fn(&[TensorData]) -> TensorData,
+) -> Vec<Vec<Part<B>>> {
+    let combined: Vec<TensorData> = (0..parts[0].len())
+        .map(|i| {
+            let column: Vec<TensorData> = parts
+                .iter()
+                .map(|p| match &p[i] {
+                    Part::Host(data) => data.clone(),
+                    Part::Device(..) => unreachable!("a host sum holds values"),
+                })
+                .collect();
+            combine(&column)
+        })
+        .collect();
+    (0..parts.len())
+        .map(|_| combined.iter().cloned().map(Part::Host).collect())
+        .collect()
+}
+
 /// The element-wise sum of same-shaped parts, in f32, in worker order.
 fn add_parts(parts: &[TensorData]) -> TensorData {
     let shape = parts[0].shape.clone();
@@ -727,8 +801,23 @@ pub(crate) struct GradientSums<'a, B: AutodiffBackend> {
 
 /// Registers a summed, flattened gradient under its parameter, in its
 /// shape.
-type PutBack<B> =
+type RegisterSum<B> =
     Box<dyn FnOnce(Tensor<<B as AutodiffBackend>::InnerBackend, 1>, &mut GradientsParams)>;
+
+/// How a handed-over part comes back into the gradients.
+enum PutBack<B: AutodiffBackend> {
+    /// One part, a summed gradient.
+    Gradient(RegisterSum<B>),
+    /// Two parts, every worker's lookup ids (f32) and output gradient rows
+    /// (flattened), gathered: their rows are added to the embeddings'
+    /// gradient `id` (zeros of `shape` and `dtype` when no other part of
+    /// it is there).
+    Lookup {
+        id: burn::module::ParamId,
+        shape: [usize; 2],
+        dtype: burn::tensor::DType,
+    },
+}
 
 impl<B: AutodiffBackend> SegmentSink<B> for GradientSums<'_, B> {
     fn completed<M: Module<B>>(&mut self, module: &M, grads: &mut GradientsParams) {
@@ -750,30 +839,106 @@ impl<B: AutodiffBackend> SegmentSink<B> for GradientSums<'_, B> {
             .hand_over(self.world.rank, part, |parts| collective.sum_segment(parts));
         self.handed.push(take.put_back);
     }
+
+    /// Gathering every worker's ids and output gradient moves `tokens ·
+    /// (hidden + 1)` values a worker instead of the `vocab · hidden` of the
+    /// whole gradient, and it need not wait for the last layer's
+    /// backward pass to sum the tied head's part. The ids travel as f32,
+    /// exact up to 2^24.
+    fn gathers_lookup(&self, vocab: usize) -> bool {
+        vocab <= 1 << 24
+    }
+
+    fn lookup(
+        &mut self,
+        weight: &Param<Tensor<B, 2>>,
+        ids: Tensor<B::InnerBackend, 2, Int>,
+        dx: Tensor<B::InnerBackend, 3>,
+    ) {
+        use burn::tensor::TensorPrimitive;
+        use burn::tensor::ops::IntTensorOps;
+        let id = weight.id;
+        let weight = weight.val();
+        let [batch, seq, hidden] = dx.dims();
+        let tokens = batch * seq;
+        // The ids as f32 whatever the device's default float type: a
+        // narrower one would round them.
+        let ids = Tensor::<B::InnerBackend, 1>::from_primitive(TensorPrimitive::Float(
+            B::InnerBackend::int_into_float(
+                ids.reshape([tokens]).into_primitive(),
+                burn::tensor::FloatDType::F32,
+            ),
+        ));
+        let collective = &self.world.collective;
+        let hand_over = self.world.hand_over;
+        let part = vec![
+            collective.part(ids, hand_over),
+            collective.part(dx.reshape([tokens * hidden]), hand_over),
+        ];
+        collective
+            .segments
+            .hand_over(self.world.rank, part, |parts| {
+                collective.gather_segment(parts)
+            });
+        self.handed.push(vec![PutBack::Lookup {
+            id,
+            shape: weight.dims(),
+            dtype: weight.dtype(),
+        }]);
+    }
 }
 
-impl<B: AutodiffBackend> GradientSums<'_, B> {
+impl<B> GradientSums<'_, B>
+where
+    B: AutodiffBackend,
+    B::InnerBackend: bastile::BastileBackend,
+{
     /// Puts every handed-over gradient back into `grads` as its sum over
     /// the workers (waiting for the other workers' parts, at most the
-    /// world's wait), and makes `device`'s later work wait for the sums.
-    /// A broken sum puts this worker's own gradients back (the step then
-    /// fails: [`World::broken`]).
-    pub(crate) fn finish(self, grads: &mut GradientsParams, device: &B::Device) {
+    /// world's wait), after making `device`'s later work wait for the
+    /// sums. A broken sum puts this worker's own gradients back (the step
+    /// then fails: [`World::broken`]).
+    pub(crate) fn finish(
+        self,
+        grads: &mut GradientsParams,
+        device: &B::Device,
+    ) -> Result<(), ModelError> {
+        use burn::tensor::backend::DeviceOps;
         let world = self.world;
         let back = world.collective.segments.take_back(world.rank, world.wait);
+        // The lookup's rows are added on this worker's compute stream,
+        // which must see the gathered values.
+        world.settle(device);
         for (sums, put_back) in back.into_iter().zip(self.handed) {
-            for (sum, put) in sums.into_iter().zip(put_back) {
-                let sum = match sum {
-                    Part::Host(data) => {
-                        use burn::tensor::backend::DeviceOps;
-                        Tensor::from_data(data, device.inner())
+            let mut sums = sums.into_iter().map(|sum| match sum {
+                Part::Host(data) => Tensor::from_data(data, device.inner()),
+                Part::Device(t, _) => t,
+            });
+            for put in put_back {
+                match put {
+                    PutBack::Gradient(put) => match sums.next() {
+                        Some(sum) => put(sum, grads),
+                        None => break,
+                    },
+                    PutBack::Lookup { id, shape, dtype } => {
+                        let (Some(ids), Some(rows)) = (sums.next(), sums.next()) else {
+                            break;
+                        };
+                        let tokens = ids.dims()[0];
+                        let start = grads
+                            .remove::<B::InnerBackend, 2>(id)
+                            .unwrap_or_else(|| Tensor::zeros(shape, (device.inner(), dtype)));
+                        let grad = bastile::add_embedding_grad(
+                            start,
+                            ids.int().reshape([1, tokens]),
+                            rows.reshape([1, tokens, shape[1]]),
+                        )?;
+                        grads.register(id, grad);
                     }
-                    Part::Device(t, _) => t,
-                };
-                put(sum, grads);
+                }
             }
         }
-        world.settle(device);
+        Ok(())
     }
 }
 
@@ -793,9 +958,10 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for TakeCompleted<'_, B> {
         let (id, shape) = (param.id, grad.dims());
         self.flat
             .push(grad.reshape([shape.iter().product::<usize>()]));
-        self.put_back.push(Box::new(move |sum, grads| {
-            grads.register::<B::InnerBackend, D>(id, sum.reshape(shape));
-        }));
+        self.put_back
+            .push(PutBack::Gradient(Box::new(move |sum, grads| {
+                grads.register::<B::InnerBackend, D>(id, sum.reshape(shape));
+            })));
     }
 }
 

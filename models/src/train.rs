@@ -629,7 +629,7 @@ where
                         &mut divisor,
                         Some(&mut sums),
                     )?;
-                    sums.finish(&mut grads, &device);
+                    sums.finish(&mut grads, &device)?;
                     (out, grads)
                 }
                 _ => model.loss_and_grads(ids, labels, positions, options, divisor())?,

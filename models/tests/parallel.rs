@@ -35,8 +35,15 @@ fn config() -> TrainConfig {
     }
 }
 
+/// The Qwen3 fixture (separate input and output embeddings).
 fn load<B: AutodiffBackend>(device: &B::Device) -> CausalLm<B> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/qwen3");
+    load_fixture("qwen3", device)
+}
+
+fn load_fixture<B: AutodiffBackend>(fixture: &str, device: &B::Device) -> CausalLm<B> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(fixture);
     CausalLm::<B>::from_hf_dir(dir, device).unwrap()
 }
 
@@ -50,15 +57,29 @@ fn batch<B: AutodiffBackend>(
     vocab: i64,
     device: &B::Device,
 ) -> MicroBatch<B> {
-    let ids: Vec<i64> = (0..24).map(|i| (i * 131 + seed * 17) % vocab).collect();
+    batch_of(seed, masked, bad, vocab, 12, device)
+}
+
+/// [`batch`] with rows of `seq` tokens (at least 6).
+fn batch_of<B: AutodiffBackend>(
+    seed: i64,
+    masked: usize,
+    bad: bool,
+    vocab: i64,
+    seq: usize,
+    device: &B::Device,
+) -> MicroBatch<B> {
+    let ids: Vec<i64> = (0..2 * seq as i64)
+        .map(|i| (i * 131 + seed * 17) % vocab)
+        .collect();
     let mut labels = ids.clone();
     labels[..masked].fill(-100);
     if bad {
-        labels[12 + 5] = vocab + 3;
+        labels[seq + 5] = vocab + 3;
     }
     MicroBatch {
-        ids: Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [2, 12]), device),
-        labels: Tensor::<B, 2, Int>::from_data(TensorData::new(labels, [2, 12]), device),
+        ids: Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [2, seq]), device),
+        labels: Tensor::<B, 2, Int>::from_data(TensorData::new(labels, [2, seq]), device),
         positions: None,
     }
 }
@@ -67,9 +88,10 @@ fn batch<B: AutodiffBackend>(
 type Params = Vec<(String, Vec<f32>)>;
 
 /// `(loss, tokens)` of each step and the final parameters of `steps` steps
-/// on `batches` (every worker's, in order), on `devices[0]` alone or, with
-/// a collective, data-parallel over `devices`.
+/// of the model in `fixture` on `batches` (every worker's, in order), on
+/// `devices[0]` alone or, with a collective, data-parallel over `devices`.
 fn run<B>(
+    fixture: &str,
     devices: &[B::Device],
     collective: Option<Collective<B::InnerBackend>>,
     checkpointing: Checkpointing,
@@ -82,7 +104,7 @@ where
     CausalLm<B>: AutodiffModule<B> + Send + 'static,
     MicroBatch<B>: Send,
 {
-    let mut model = load::<B>(&devices[0])
+    let mut model = load_fixture::<B>(fixture, &devices[0])
         .with_checkpointing(checkpointing)
         .unwrap();
     let mut trainer = Trainer::<B>::new(config()).unwrap();
@@ -118,6 +140,16 @@ fn max_relative_difference(a: &Params, b: &Params) -> f32 {
     worst
 }
 
+/// What a case is, the fixture it trains, its workers, its checkpointing
+/// and every worker's micro-batches, in order.
+type Case<B> = (
+    &'static str,
+    &'static str,
+    usize,
+    Checkpointing,
+    Vec<MicroBatch<B>>,
+);
+
 /// Data-parallel runs against one worker accumulating the same
 /// micro-batches: the same losses and token counts, and the same
 /// parameters (f32, 1e-5 of each tensor's largest value) after three steps.
@@ -136,41 +168,73 @@ fn workers_train_as_one<B>(
     let device = &devices[0];
     let vocab = load::<B>(device).config.vocab_size as i64;
     let b = |seed, masked| batch::<B>(seed, masked, false, vocab, device);
+    // The Llama fixture ties its embeddings: the lookup's part of their
+    // gradient is gathered from the workers' ids and output gradients,
+    // here of other lengths on each worker.
+    let tied_vocab = load_fixture::<B>("llama", device).config.vocab_size as i64;
+    let tied = |seed, masked, seq| batch_of::<B>(seed, masked, false, tied_vocab, seq, device);
     let off = Checkpointing::Off;
-    let cases: Vec<(&str, usize, Checkpointing, Vec<MicroBatch<B>>)> = vec![
+    let cases: Vec<Case<B>> = vec![
         (
             "two workers, the same shard",
+            "qwen3",
             2,
             off,
             vec![b(1, 3), b(1, 3)],
         ),
         (
             "two workers, shards of 21 and 9 tokens",
+            "qwen3",
             2,
             off,
             vec![b(1, 2), b(2, 14)],
         ),
         (
             "three workers, two micro-batches each",
+            "qwen3",
             3,
             off,
             vec![b(1, 3), b(2, 0), b(3, 7), b(4, 1), b(5, 11), b(6, 5)],
         ),
         (
             "two workers, two micro-batches each, every layer checkpointed",
+            "qwen3",
             2,
             Checkpointing::ALL,
             vec![b(1, 3), b(2, 0), b(3, 7), b(4, 1)],
         ),
+        (
+            "two workers, rows of 12 and 7 tokens, tied embeddings",
+            "llama",
+            2,
+            off,
+            vec![tied(1, 2, 12), tied(2, 3, 7)],
+        ),
+        (
+            "three workers, rows of 9, 12 and 6 tokens twice, tied embeddings, every layer \
+             checkpointed",
+            "llama",
+            3,
+            Checkpointing::ALL,
+            vec![
+                tied(1, 3, 9),
+                tied(2, 0, 9),
+                tied(3, 1, 12),
+                tied(4, 5, 12),
+                tied(5, 2, 6),
+                tied(6, 0, 6),
+            ],
+        ),
     ];
-    for (what, workers, checkpointing, batches) in cases {
+    for (what, fixture, workers, checkpointing, batches) in cases {
         let Some(devices) = devices.get(..workers) else {
             eprintln!("{backend}: {what}: needs {workers} devices");
             continue;
         };
         eprintln!("{backend}: {what}");
-        let (expected, reference) = run::<B>(devices, None, checkpointing, &batches, 3);
+        let (expected, reference) = run::<B>(fixture, devices, None, checkpointing, &batches, 3);
         let (got, trained) = run::<B>(
+            fixture,
             devices,
             Some(collective(devices)),
             checkpointing,
@@ -273,6 +337,7 @@ fn a_check_failing_on_one_worker_skips_the_step_on_every_worker() {
     let b = |seed, bad| batch::<Cpu>(seed, 3, bad, vocab, &device);
     let good = [b(1, false), b(2, false)];
     let (_, reference) = run::<Cpu>(
+        "qwen3",
         &[device, device],
         Some(host::<burn::backend::NdArray>(&[device, device])),
         Checkpointing::Off,
