@@ -204,6 +204,13 @@ fn workers_train_as_one<B>(
             vec![b(1, 3), b(2, 0), b(3, 7), b(4, 1)],
         ),
         (
+            "one worker, rows of 12 and 7 tokens, tied embeddings",
+            "llama",
+            1,
+            off,
+            vec![tied(1, 2, 12), tied(2, 3, 7)],
+        ),
+        (
             "two workers, rows of 12 and 7 tokens, tied embeddings",
             "llama",
             2,
