@@ -20,11 +20,10 @@
 //!   as its backward pass is queued, so on CUDA NCCL sums layer `l` while
 //!   the GPU computes the gradients of layer `l - 1`; the embedding
 //!   lookup's part of the embeddings' gradient is not summed whole but
-//!   gathered (every worker's ids and output gradients, `tokens ×
-//!   (hidden + 1)` values a worker instead of `vocab × hidden`) and added
-//!   on every worker, so a tied head's part is summed with the head,
-//!   early; otherwise each worker queues the sums after its backward
-//!   pass;
+//!   gathered (every worker's ids and output gradients: `workers × tokens
+//!   × (hidden + 1)` values instead of `vocab × hidden`) and added on
+//!   every worker, so a tied head's part is summed with the head, early;
+//!   otherwise each worker queues the sums after its backward pass;
 //! * a check that fails on one worker (an id or label out of range) skips
 //!   the step on all of them (the skip flags are summed too), and the step's
 //!   error names that worker;
@@ -840,11 +839,12 @@ impl<B: AutodiffBackend> SegmentSink<B> for GradientSums<'_, B> {
         self.handed.push(take.put_back);
     }
 
-    /// Gathering every worker's ids and output gradient moves `tokens ·
-    /// (hidden + 1)` values a worker instead of the `vocab · hidden` of the
-    /// whole gradient, and it need not wait for the last layer's
-    /// backward pass to sum the tied head's part. The ids travel as f32,
-    /// exact up to 2^24.
+    /// Gathering every worker's ids and output gradient sums `workers ×
+    /// tokens × (hidden + 1)` values (a slot per worker) instead of the
+    /// `vocab × hidden` of the whole gradient (more only past `vocab /
+    /// workers` tokens a worker, where the rest of the step grows as
+    /// much), and the tied head's part need not wait for the last layer's
+    /// backward pass. The ids travel as f32, exact up to 2^24.
     fn gathers_lookup(&self, vocab: usize) -> bool {
         vocab <= 1 << 24
     }
