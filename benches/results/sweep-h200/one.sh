@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One-GPU lease: the models' CUDA tests (TEST_FILTERS, tm.xz: the models' test binary, built with
-# --no-default-features --features distributed,autotune) then benches/results/sweep-h200/run.sh with RUNS.
+# One-GPU lease: the models' CUDA tests (TEST_FILTERS, .device/x2/tm.xz: the models' test binary, built with
+# --no-default-features --features distributed,autotune), then run.sh here with RUNS (builds in .device/x2).
 set -u
 mkdir -p .device/b /tmp/w $OUT/tests
 for f in .device/x2/*.xz; do ln -sf $(pwd)/$f .device/b/$(basename $f); done
