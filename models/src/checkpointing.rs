@@ -256,13 +256,13 @@ where
         if let (true, Some(sink)) = (gathers, sink.as_deref_mut()) {
             sink.lookup(weight, ids.inner(), dx.inner());
         } else if weight.val().is_require_grad() {
-            // The lookup's gradient goes straight into the tied head's,
-            // when there is one, rather than into zeros added to it
-            // afterwards.
-            let earlier = grads.remove::<B::InnerBackend, 2>(weight.id);
-            let start = earlier.unwrap_or_else(|| weight.val().inner().zeros_like());
-            let grad = bastile::add_embedding_grad(start, ids.inner(), dx.inner())?;
-            grads.register(weight.id, grad);
+            add_lookup_grad(
+                &mut grads,
+                weight.id,
+                || weight.val().inner().zeros_like(),
+                ids.inner(),
+                dx.inner(),
+            )?;
         }
         if let Some(sink) = sink {
             // The embeddings, and whatever no segment above named.
@@ -331,6 +331,23 @@ enum Saved<B: AutodiffBackend> {
         out: Tensor<B, 3>,
         load: Option<RouterLoad<B>>,
     },
+}
+
+/// Adds the embedding lookup's gradient (`ids` `[batch, seq]`, output
+/// gradient `dx` `[batch, seq, hidden]`) into the gradient registered
+/// under `id` in `grads`: straight into the tied head's, when it is there,
+/// rather than into zeros added to it afterwards.
+pub(crate) fn add_lookup_grad<B: BastileBackend>(
+    grads: &mut GradientsParams,
+    id: burn::module::ParamId,
+    zeros: impl FnOnce() -> Tensor<B, 2>,
+    ids: Tensor<B, 2, Int>,
+    dx: Tensor<B, 3>,
+) -> Result<(), ModelError> {
+    let start = grads.remove::<B, 2>(id).unwrap_or_else(zeros);
+    let grad = bastile::add_embedding_grad(start, ids, dx)?;
+    grads.register(id, grad);
+    Ok(())
 }
 
 /// The gradient of a segment's input `leaf`, as a constant of the next

@@ -49,7 +49,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Bool, Int, Tensor, TensorData};
 
-use crate::checkpointing::SegmentSink;
+use crate::checkpointing::{SegmentSink, add_lookup_grad};
 use crate::{CausalLm, MicroBatch, ModelError, StepOutput, Trainer};
 
 /// How the workers' tensors are summed.
@@ -231,8 +231,8 @@ impl<B: Backend> Collective<B> {
     /// needs); on the host the values are added.
     fn sum_segment(&self, parts: Vec<Vec<Part<B>>>) -> Vec<Vec<Part<B>>> {
         match &self.reduce {
-            Reduce::Host(..) => combine_on_host(&parts, |column| {
-                add_parts(column).convert_dtype(column[0].dtype)
+            Reduce::Host(..) => combine_on_host(parts, |column| {
+                add_parts(&column).convert_dtype(column[0].dtype)
             }),
             #[cfg(feature = "distributed")]
             Reduce::Device {
@@ -275,14 +275,15 @@ impl<B: Backend> Collective<B> {
     /// which adds only zeros to every value).
     fn gather_segment(&self, parts: Vec<Vec<Part<B>>>) -> Vec<Vec<Part<B>>> {
         match &self.reduce {
-            Reduce::Host(..) => combine_on_host(&parts, |column| {
+            Reduce::Host(..) => combine_on_host(parts, |column| {
+                let dtype = column[0].dtype;
                 let mut values = Vec::new();
                 for data in column {
-                    let data = data.clone().convert::<f32>();
+                    let data = data.convert::<f32>();
                     values.extend_from_slice(data.as_slice::<f32>().expect("f32 values"));
                 }
                 let len = values.len();
-                TensorData::new(values, [len]).convert_dtype(column[0].dtype)
+                TensorData::new(values, [len]).convert_dtype(dtype)
             }),
             #[cfg(feature = "distributed")]
             Reduce::Device { .. } => {
@@ -604,22 +605,25 @@ impl<T> SegmentSums<T> {
 /// Every worker's copy of `combine` applied to each column of host parts
 /// (part `i` of every worker, in worker order).
 fn combine_on_host<B: Backend>(
-    parts: &[Vec<Part<B>>],
-    combine: impl Fn(&[TensorData]) -> TensorData,
+    parts: Vec<Vec<Part<B>>>,
+    combine: impl Fn(Vec<TensorData>) -> TensorData,
 ) -> Vec<Vec<Part<B>>> {
-    let combined: Vec<TensorData> = (0..parts[0].len())
-        .map(|i| {
-            let column: Vec<TensorData> = parts
-                .iter()
-                .map(|p| match &p[i] {
-                    Part::Host(data) => data.clone(),
-                    Part::Device(..) => unreachable!("a host sum holds values"),
+    let workers = parts.len();
+    let count = parts.first().map_or(0, Vec::len);
+    let mut by_worker: Vec<_> = parts.into_iter().map(Vec::into_iter).collect();
+    let combined: Vec<TensorData> = (0..count)
+        .map(|_| {
+            let column = by_worker
+                .iter_mut()
+                .map(|p| match p.next() {
+                    Some(Part::Host(data)) => data,
+                    _ => unreachable!("a host sum holds a value for every part"),
                 })
                 .collect();
-            combine(&column)
+            combine(column)
         })
         .collect();
-    (0..parts.len())
+    (0..workers)
         .map(|_| combined.iter().cloned().map(Part::Host).collect())
         .collect()
 }
@@ -925,15 +929,13 @@ where
                             break;
                         };
                         let tokens = ids.dims()[0];
-                        let start = grads
-                            .remove::<B::InnerBackend, 2>(id)
-                            .unwrap_or_else(|| Tensor::zeros(shape, (device.inner(), dtype)));
-                        let grad = bastile::add_embedding_grad(
-                            start,
+                        add_lookup_grad(
+                            grads,
+                            id,
+                            || Tensor::zeros(shape, (device.inner(), dtype)),
                             ids.int().reshape([1, tokens]),
                             rows.reshape([1, tokens, shape[1]]),
                         )?;
-                        grads.register(id, grad);
                     }
                 }
             }
