@@ -2,9 +2,10 @@
 //! the global-norm clip HF Trainer applies, over the parameters of a
 //! Qwen3-0.6B-sized model (or a small set with `--tiny`).
 //!
-//! Bytes counted: the parameter, both moments read and written, the
-//! gradient read twice (the norm, then the update): per element
-//! `5·param + 2·grad` bytes of the dtype, moments in the parameters' dtype.
+//! Bytes counted: what the step must move, the parameter and both moments
+//! read and written and the gradient read once: `7 ×` the dtype's bytes per
+//! element, moments in the parameters' dtype. The norm's second read of the
+//! gradients is not counted.
 
 use bastile::BastileBackend;
 use bastile::optim::AdamWConfig;
