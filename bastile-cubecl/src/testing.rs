@@ -230,6 +230,28 @@ pub fn assert_close(what: &str, actual: &[f64], expected: &[f64], tol: f64, seed
     );
 }
 
+/// For values that cancel (sums of terms far larger than themselves): the
+/// error `actual − expected` measured as [`assert_close`] measures it, but
+/// against `size` (each element's terms' size) instead of `expected`.
+pub fn assert_close_to_size(
+    what: &str,
+    actual: &[f64],
+    expected: &[f64],
+    size: &[f64],
+    tol: f64,
+    seed: u64,
+) {
+    assert_eq!(actual.len(), size.len(), "length mismatch");
+    // Both sides shifted by `size`: their difference stays the error.
+    let shifted: Vec<f64> = actual
+        .iter()
+        .zip(expected)
+        .zip(size)
+        .map(|((a, e), s)| s + (a - e))
+        .collect();
+    assert_close(what, &shifted, size, tol, seed);
+}
+
 /// For peaked values (a cross-entropy gradient: one probability near 1, the
 /// rest near 0): the relative L2 error within `tol`, and each element
 /// within `tol` of its own magnitude plus the RMS, rather than of the RMS

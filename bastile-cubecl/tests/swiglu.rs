@@ -156,10 +156,11 @@ fn check<R: Runtime>(
             ),
         ),
     };
-    assert_close(
-        &format!("d_gate {what}"),
+    assert_close_to_size(
+        &format!("d_gate (error over its terms' size) {what}"),
         &dg,
         &dg_ref,
+        &reference::d_gate_size(&gate, &up, &dout, &dg_ref),
         tolerance(dtype),
         seed,
     );
