@@ -27,7 +27,9 @@
 //! p ← p·(1 − lr·λ) − lr · (m / (1 − β1ᵗ)) / (√(v / (1 − β2ᵗ)) + ε)
 //! ```
 //!
-//! as `torch.optim.AdamW` and Burn's `AdamW` compute it. With a master copy
+//! as `torch.optim.AdamW` and Burn's `AdamW` compute it; the kernel orders
+//! it as `torch.optim.AdamW` does, `p·(1 − lr·λ) − (lr / (1 − β1ᵗ)) · m /
+//! (√v / √(1 − β2ᵗ) + ε)`, one division an element. With a master copy
 //! `p` is the f32 master weight and the parameter receives its rounding
 //! (mixed precision as HF Trainer's `bf16=True` runs it).
 //!
@@ -387,15 +389,15 @@ fn adamw_kernel<P: Float, G: Float, M: Float, N: Size>(
     clip: &Tensor<f32>,
     starts: Sequence<usize>,
     per_cube: usize,
-    learning_rate: f32,
+    // `lr / (1 − β1ᵗ)`, `1 − β` and `1 / √(1 − β2ᵗ)` computed in f64: `1 −
+    // β` of an f32 β (0.999) is off by 1e-5.
+    step_size: f32,
     decay: f32,
     beta1: f32,
     beta2: f32,
-    // `1 − β` computed in f64: `1 − β` of an f32 β (0.999) is off by 1e-5.
     gain1: f32,
     gain2: f32,
-    bias1: f32,
-    bias2: f32,
+    inv_sqrt_bias2: f32,
     epsilon: f32,
     #[comptime] cfg: UpdateConfig,
     #[define(P, G, M)] _dtypes: [StorageType; 3],
@@ -418,11 +420,10 @@ fn adamw_kernel<P: Float, G: Float, M: Float, N: Size>(
             beta2: Vector::new(beta2),
             gain1: Vector::new(gain1),
             gain2: Vector::new(gain2),
-            bias1: Vector::new(bias1),
-            bias2: Vector::new(bias2),
+            inv_sqrt_bias2: Vector::new(inv_sqrt_bias2),
             epsilon: Vector::new(epsilon),
             decay: Vector::new(decay),
-            learning_rate: Vector::new(learning_rate),
+            step_size: Vector::new(step_size),
         };
         #[unroll]
         for t in 0..count {
@@ -472,11 +473,12 @@ struct Hyper<N: Size> {
     beta2: Vector<f32, N>,
     gain1: Vector<f32, N>,
     gain2: Vector<f32, N>,
-    bias1: Vector<f32, N>,
-    bias2: Vector<f32, N>,
+    /// `1 / √(1 − β2ᵗ)`.
+    inv_sqrt_bias2: Vector<f32, N>,
     epsilon: Vector<f32, N>,
     decay: Vector<f32, N>,
-    learning_rate: Vector<f32, N>,
+    /// `lr / (1 − β1ᵗ)`.
+    step_size: Vector<f32, N>,
 }
 
 /// AdamW on one vector in f32: the gradient `g` (before the clip factor),
@@ -492,8 +494,11 @@ fn adamw_math<N: Size>(
     let g = g * c.scale;
     let m = c.beta1 * m + c.gain1 * g;
     let v = c.beta2 * v + c.gain2 * g * g;
-    let step = (m / c.bias1) / ((v / c.bias2).sqrt() + c.epsilon);
-    (m, v, p * c.decay - step * c.learning_rate)
+    // In `torch.optim.AdamW`'s order, the bias corrections folded into the
+    // step size and the denominator's scale (a product with the
+    // reciprocal here): one division an element instead of three.
+    let denom = v.sqrt() * c.inv_sqrt_bias2 + c.epsilon;
+    (m, v, p * c.decay - c.step_size * m / denom)
 }
 
 /// Updates every parameter of `params`, their moments (and master copies)
@@ -583,14 +588,13 @@ pub fn update<R: Runtime>(
                 TensorArg::from_raw_parts(clip.unwrap_or(&dummy).clone(), [1].into(), [2].into()),
                 scalars(&pad_to(starts, per + 1)),
                 per_cube,
-                hyper.learning_rate as f32,
+                (hyper.learning_rate / bias1) as f32,
                 decay as f32,
                 hyper.beta1 as f32,
                 hyper.beta2 as f32,
                 (1.0 - hyper.beta1) as f32,
                 (1.0 - hyper.beta2) as f32,
-                bias1 as f32,
-                bias2 as f32,
+                (1.0 / bias2.sqrt()) as f32,
                 hyper.epsilon as f32,
                 cfg,
                 [
