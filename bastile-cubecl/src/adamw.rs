@@ -64,7 +64,8 @@ const NORM_ELEMENTS_PER_UNIT: usize = 128;
 /// binds fewer buffers): the kernel holds the update once per parameter,
 /// which its compile time grows with (see `adamw_kernel`). Sixteen, half
 /// the launches, took 2.29 ms for Qwen3-0.6B's update on an H200 against
-/// 2.25 ms with eight.
+/// 2.25 ms with eight (both with the update's earlier three divisions an
+/// element).
 pub const PARAMS_PER_LAUNCH: usize = 8;
 /// Gradients one norm launch takes at most: its kernel holds one load per
 /// gradient.
@@ -72,7 +73,8 @@ pub const GRADS_PER_NORM_LAUNCH: usize = 32;
 /// The update's cubes: 256 units, four vectors each. Many small cubes
 /// beat a grid of a few cubes an SM that loop over even shares: on an
 /// H200, eight cubes an SM took 2.68 ms for Qwen3-0.6B's update against
-/// 2.25 ms of four-vector cubes.
+/// 2.25 ms of four-vector cubes (both with the update's earlier three
+/// divisions an element).
 const UPDATE_TILE: TileLaunch = TileLaunch {
     vector_size: 0,
     units_per_cube: 256,
@@ -414,17 +416,10 @@ fn adamw_kernel<P: Float, G: Float, M: Float, N: Size>(
     let per_unit = comptime![cfg.vectors_per_unit as usize];
     let (begin, end) = cube_span(per_cube, starts[count], CUBE_POS);
     if !skip {
-        let c = Hyper::<N> {
-            scale: Vector::new(scale),
-            beta1: Vector::new(beta1),
-            beta2: Vector::new(beta2),
-            gain1: Vector::new(gain1),
-            gain2: Vector::new(gain2),
-            inv_sqrt_bias2: Vector::new(inv_sqrt_bias2),
-            epsilon: Vector::new(epsilon),
-            decay: Vector::new(decay),
-            step_size: Vector::new(step_size),
-        };
+        let b1 = Vector::<f32, N>::new(beta1);
+        let b2 = Vector::<f32, N>::new(beta2);
+        let k1 = Vector::<f32, N>::new(gain1);
+        let k2 = Vector::<f32, N>::new(gain2);
         #[unroll]
         for t in 0..count {
             let (from, to) = item_part(&starts, t, begin, end);
@@ -443,62 +438,27 @@ fn adamw_kernel<P: Float, G: Float, M: Float, N: Size>(
                         } else {
                             Vector::<f32, N>::cast_from(param[i])
                         };
-                        let (m_new, v_new, p_new) = adamw_math(
-                            Vector::cast_from(grad[i]),
-                            Vector::cast_from(moment1[i]),
-                            Vector::cast_from(moment2[i]),
-                            p,
-                            &c,
-                        );
-                        moment1[i] = Vector::cast_from(m_new);
-                        moment2[i] = Vector::cast_from(v_new);
+                        let g = Vector::<f32, N>::cast_from(grad[i]) * Vector::new(scale);
+                        let m = b1 * Vector::cast_from(moment1[i]) + k1 * g;
+                        let v = b2 * Vector::cast_from(moment2[i]) + k2 * g * g;
+                        // In `torch.optim.AdamW`'s order, the bias
+                        // corrections folded into the step size and the
+                        // denominator's scale (a product with the reciprocal
+                        // here): one division an element instead of three.
+                        let denom = v.sqrt() * Vector::new(inv_sqrt_bias2) + Vector::new(epsilon);
+                        let p = p * Vector::new(decay) - Vector::new(step_size) * m / denom;
+                        moment1[i] = Vector::cast_from(m);
+                        moment2[i] = Vector::cast_from(v);
                         if comptime![cfg.master] {
                             let master = master.index_mut(t);
-                            master[i] = p_new;
+                            master[i] = p;
                         }
-                        param[i] = Vector::cast_from(p_new);
+                        param[i] = Vector::cast_from(p);
                     }
                 }
             }
         }
     }
-}
-
-/// The step's scalars as vectors of the kernel's width.
-#[derive(CubeType, Clone, Copy)]
-struct Hyper<N: Size> {
-    /// The clip factor.
-    scale: Vector<f32, N>,
-    beta1: Vector<f32, N>,
-    beta2: Vector<f32, N>,
-    gain1: Vector<f32, N>,
-    gain2: Vector<f32, N>,
-    /// `1 / √(1 − β2ᵗ)`.
-    inv_sqrt_bias2: Vector<f32, N>,
-    epsilon: Vector<f32, N>,
-    decay: Vector<f32, N>,
-    /// `lr / (1 − β1ᵗ)`.
-    step_size: Vector<f32, N>,
-}
-
-/// AdamW on one vector in f32: the gradient `g` (before the clip factor),
-/// the moments `m`, `v` and the weights `p` in; the new `(m, v, p)` out.
-#[cube]
-fn adamw_math<N: Size>(
-    g: Vector<f32, N>,
-    m: Vector<f32, N>,
-    v: Vector<f32, N>,
-    p: Vector<f32, N>,
-    c: &Hyper<N>,
-) -> (Vector<f32, N>, Vector<f32, N>, Vector<f32, N>) {
-    let g = g * c.scale;
-    let m = c.beta1 * m + c.gain1 * g;
-    let v = c.beta2 * v + c.gain2 * g * g;
-    // In `torch.optim.AdamW`'s order, the bias corrections folded into the
-    // step size and the denominator's scale (a product with the
-    // reciprocal here): one division an element instead of three.
-    let denom = v.sqrt() * c.inv_sqrt_bias2 + c.epsilon;
-    (m, v, p * c.decay - c.step_size * m / denom)
 }
 
 /// Updates every parameter of `params`, their moments (and master copies)
