@@ -15,4 +15,8 @@ pub enum BastileError {
     /// An invalid option value.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// A training step that could not be recorded or replayed as a CUDA
+    /// graph (see [`crate::graph`]).
+    #[error("step graph: {0}")]
+    Graph(String),
 }

@@ -56,6 +56,7 @@ pub struct ReadmeDoctests;
 mod backend;
 mod error;
 pub mod fused;
+pub mod graph;
 pub mod kernel_cache;
 pub mod launch_failure;
 pub mod nn;

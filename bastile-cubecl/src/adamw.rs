@@ -33,6 +33,12 @@
 //! `p` is the f32 master weight and the parameter receives its rounding
 //! (mixed precision as HF Trainer's `bf16=True` runs it).
 //!
+//! The factors that change from step to step (the step size
+//! `lr / (1 − β1ᵗ)`, the decay `1 − lr·λ` and `1 / √(1 − β2ᵗ)`, from
+//! [`AdamWStep::factors`]) reach the kernel in a device buffer, not as
+//! launch arguments: a step recorded as a CUDA graph then replays with the
+//! next step's factors written into that buffer.
+//!
 //! The clip factor is `min(1, max_norm / (‖g‖ + 1e-6))` over every gradient
 //! of the step, as `torch.nn.utils.clip_grad_norm_` computes it. When that
 //! norm is not finite (a NaN or infinite gradient anywhere), the update
@@ -132,6 +138,29 @@ impl AdamWStep {
         let t = self.step.min(i32::MAX as u64) as i32;
         (1.0 - self.beta1.powi(t), 1.0 - self.beta2.powi(t))
     }
+
+    /// The update's factors of this step, in the order [`update`] reads
+    /// them from its `factors` buffer: the step size `lr / (1 − β1ᵗ)`, the
+    /// decay `1 − lr·λ` and `1 / √(1 − β2ᵗ)`, computed in f64 (`1 − β` of
+    /// an f32 β such as 0.999 is off by 1e-5) and rounded to f32 once.
+    pub fn factors(&self) -> [f32; 3] {
+        let (bias1, bias2) = self.bias_corrections();
+        [
+            (self.learning_rate / bias1) as f32,
+            (1.0 - self.learning_rate * self.weight_decay) as f32,
+            (1.0 / bias2.sqrt()) as f32,
+        ]
+    }
+}
+
+/// A device buffer holding `hyper`'s [`AdamWStep::factors`], for [`update`].
+pub fn factors_buffer<R: Runtime>(client: &ComputeClient<R>, hyper: &AdamWStep) -> Handle {
+    let bytes: Vec<u8> = hyper
+        .factors()
+        .iter()
+        .flat_map(|f| f.to_le_bytes())
+        .collect();
+    client.create_from_slice(&bytes)
 }
 
 /// One parameter's update: `len` elements in contiguous buffers.
@@ -389,17 +418,15 @@ fn adamw_kernel<P: Float, G: Float, M: Float, N: Size>(
     moment2: &mut Sequence<Tensor<Vector<M, N>>>,
     master: &mut Sequence<Tensor<Vector<f32, N>>>,
     clip: &Tensor<f32>,
+    // `[lr / (1 − β1ᵗ), 1 − lr·λ, 1 / √(1 − β2ᵗ)]`, see `AdamWStep::factors`.
+    factors: &Tensor<f32>,
     starts: Sequence<usize>,
     per_cube: usize,
-    // `lr / (1 − β1ᵗ)`, `1 − β` and `1 / √(1 − β2ᵗ)` computed in f64: `1 −
-    // β` of an f32 β (0.999) is off by 1e-5.
-    step_size: f32,
-    decay: f32,
+    // `1 − β` computed in f64, as the factors are.
     beta1: f32,
     beta2: f32,
     gain1: f32,
     gain2: f32,
-    inv_sqrt_bias2: f32,
     epsilon: f32,
     #[comptime] cfg: UpdateConfig,
     #[define(P, G, M)] _dtypes: [StorageType; 3],
@@ -416,6 +443,9 @@ fn adamw_kernel<P: Float, G: Float, M: Float, N: Size>(
     let per_unit = comptime![cfg.vectors_per_unit as usize];
     let (begin, end) = cube_span(per_cube, starts[count], CUBE_POS);
     if !skip {
+        let step_size = factors[0];
+        let decay = factors[1];
+        let inv_sqrt_bias2 = factors[2];
         let b1 = Vector::<f32, N>::new(beta1);
         let b2 = Vector::<f32, N>::new(beta2);
         let k1 = Vector::<f32, N>::new(gain1);
@@ -464,11 +494,14 @@ fn adamw_kernel<P: Float, G: Float, M: Float, N: Size>(
 /// Updates every parameter of `params`, their moments (and master copies)
 /// in place, the gradients scaled by `clip[0]` and the whole step skipped
 /// when the norm `clip[1]` is not finite (`clip` from [`clip_scale`];
-/// `None` takes the gradients as they are).
+/// `None` takes the gradients as they are). `factors` holds the step's
+/// [`AdamWStep::factors`] ([`factors_buffer`]); `hyper` gives the betas
+/// and ε.
 pub fn update<R: Runtime>(
     client: &ComputeClient<R>,
     hyper: &AdamWStep,
     clip: Option<&Handle>,
+    factors: &Handle,
     params: &[ParamUpdate],
 ) -> Result<(), KernelError> {
     hyper.validate()?;
@@ -478,6 +511,7 @@ pub fn update<R: Runtime>(
     if let Some(clip) = clip {
         check_len("the clip factor", clip, 2, FloatDtype::F32)?;
     }
+    check_len("the step's factors", factors, 3, FloatDtype::F32)?;
     let keyed = params.iter().enumerate().filter_map(|(i, p)| {
         let key = UpdateKey {
             param: p.problem.param,
@@ -490,8 +524,6 @@ pub fn update<R: Runtime>(
     });
     let with_master = params.iter().any(|p| p.problem.master);
     let per = per_launch(client, 4 + with_master as usize, 1, PARAMS_PER_LAUNCH);
-    let (bias1, bias2) = hyper.bias_corrections();
-    let decay = 1.0 - hyper.learning_rate * hyper.weight_decay;
     let dummy = client.empty(16);
     // Every launch is checked before the first one runs, so a refusal
     // leaves every parameter as it was.
@@ -546,15 +578,13 @@ pub fn update<R: Runtime>(
                 tensors(view(&|b| b.moment2.clone())),
                 tensors(masters),
                 TensorArg::from_raw_parts(clip.unwrap_or(&dummy).clone(), [1].into(), [2].into()),
+                TensorArg::from_raw_parts(factors.clone(), [1].into(), [3].into()),
                 scalars(&pad_to(starts, per + 1)),
                 per_cube,
-                (hyper.learning_rate / bias1) as f32,
-                decay as f32,
                 hyper.beta1 as f32,
                 hyper.beta2 as f32,
                 (1.0 - hyper.beta1) as f32,
                 (1.0 - hyper.beta2) as f32,
-                (1.0 / bias2.sqrt()) as f32,
                 hyper.epsilon as f32,
                 cfg,
                 [

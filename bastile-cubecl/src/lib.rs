@@ -13,6 +13,8 @@ pub mod cross_entropy;
 #[cfg(feature = "cuda")]
 pub mod cublaslt;
 #[cfg(feature = "cuda")]
+pub mod cuda_graph;
+#[cfg(feature = "cuda")]
 mod cuda_stream;
 #[cfg(feature = "cuda")]
 pub mod cudnn;

@@ -183,7 +183,14 @@ fn check<R: Runtime>(
                 buffers: &p.buffers,
             })
             .collect();
-        adamw::update(client, &h, clip.as_ref(), &updates).unwrap();
+        adamw::update(
+            client,
+            &h,
+            clip.as_ref(),
+            &adamw::factors_buffer(client, &h),
+            &updates,
+        )
+        .unwrap();
         let (mut deltas, mut expected_deltas) = (Vec::new(), Vec::new());
         let (mut weights, mut expected_weights) = (Vec::new(), Vec::new());
         let (mut m1s, mut expected_m1s) = (Vec::new(), Vec::new());
@@ -346,7 +353,14 @@ impl RuntimeTest for NonFinite {
                     problem,
                     buffers: &buffers,
                 };
-                adamw::update(&client, &hyper(4, 0.1), Some(&clip), &[update]).unwrap();
+                adamw::update(
+                    &client,
+                    &hyper(4, 0.1),
+                    Some(&clip),
+                    &adamw::factors_buffer(&client, &hyper(4, 0.1)),
+                    &[update],
+                )
+                .unwrap();
                 let after = snapshot(&buffers);
                 assert!(
                     before == after,
@@ -385,7 +399,13 @@ impl RuntimeTest for BadProblems {
         let ok = hyper(1, 0.0);
         let one = |problem: AdamWProblem, buffers: &AdamWBuffers, h: &AdamWStep| {
             let update = ParamUpdate { problem, buffers };
-            adamw::update(&client, h, None, &[update])
+            adamw::update(
+                &client,
+                h,
+                None,
+                &adamw::factors_buffer(&client, h),
+                &[update],
+            )
         };
         one(problem, &buffers, &ok).unwrap();
         let expect = |r: Result<(), KernelError>, needle: &str| {
@@ -405,6 +425,14 @@ impl RuntimeTest for BadProblems {
         expect(with(&|h| h.weight_decay = f64::INFINITY), "weight decay");
         let long = AdamWProblem { len: 11, ..problem };
         expect(one(long, &buffers, &ok), "parameter 0, the weights");
+        let update = ParamUpdate {
+            problem,
+            buffers: &buffers,
+        };
+        expect(
+            adamw::update(&client, &ok, None, &f32s(2), &[update]),
+            "the step's factors",
+        );
         let half_moments = AdamWBuffers {
             moment2: f32s(5),
             ..buffers.clone()

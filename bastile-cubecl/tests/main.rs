@@ -7,6 +7,8 @@ mod attention;
 mod buffers;
 mod combine;
 mod cross_entropy;
+#[cfg(feature = "cuda")]
+mod cuda_graph;
 mod embedding;
 mod expert_groups;
 mod gather;

@@ -200,6 +200,12 @@ pub struct Args {
     /// `distributed`, `libnccl.so` on the library path).
     #[arg(long, value_delimiter = ',', default_value = "1")]
     pub devices: Vec<usize>,
+    /// Training: Bastile records its third step as CUDA graphs and
+    /// replays it for the timed steps (`Trainer::with_step_graphs`): the
+    /// host queues a step in a few graph launches. Two more warm-up steps
+    /// are taken, so that the timed steps are replays.
+    #[arg(long)]
+    pub step_graphs: bool,
     /// Training: timed steps (after two warm-up steps).
     #[arg(long, default_value_t = 5)]
     pub steps: usize,

@@ -257,6 +257,9 @@ pub fn sweep(args: &Args, models: &[String], report: &mut Report) {
                     if devices > 1 {
                         name = format!("{name}, {devices} GPUs");
                     }
+                    if args.step_graphs && imp != TrainImpl::Burn {
+                        name = format!("{name}, step graphs");
+                    }
                     let task = format!("train {model} batch {batch} seq {seq} {dtype}: {name}");
                     progress::task(&task);
                     let config = Config {
@@ -445,6 +448,7 @@ fn child(exe: &Path, args: &Args, task: &str, config: &Config, caches: Option<Ca
         .args(&checkpointing)
         .args(args.experts.iter().flat_map(|e| ["--experts", e.name()]))
         .args(["--loss-weight-grad-sum", args.loss_weight_grad_sum.name()])
+        .args(args.step_graphs.then_some("--step-graphs"))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn();
@@ -659,6 +663,7 @@ impl<'a> Run<'a> {
             expert_routing: args.experts.map(bastile_cli::ExpertsArg::routing),
             loss_weight_grad_sum: args.loss_weight_grad_sum.sum(),
             first_step_only: args.first_step_only,
+            step_graphs: args.step_graphs && imp != TrainImpl::Burn,
             precompile: imp != TrainImpl::Burn && args.runtime.is_some_and(crate::Runtime::is_cuda),
         }
     }
@@ -691,6 +696,8 @@ struct Run<'a> {
     loss_weight_grad_sum: WeightGradSum,
     /// Stop after step 0 and report only the start.
     first_step_only: bool,
+    /// Record a step as CUDA graphs and time its replays.
+    step_graphs: bool,
     /// Compile the step's kernels in worker processes on a fresh machine
     /// (Bastile's kernels on CUDA, where the kernel cache lets the
     /// measuring process load what they compiled).
@@ -730,6 +737,7 @@ where
         expert_routing,
         loss_weight_grad_sum,
         first_step_only,
+        step_graphs,
         ..
     } = run;
     let config = presets::preset(model).map_err(|e| e.to_string())?;
@@ -815,12 +823,20 @@ where
     // pays once).
     let shape = |i: usize| data[i].0[0].ids.dims();
     let mut warmup = vec![timed[0], timed[0]];
+    if step_graphs {
+        // The third step of a shape is recorded and the fourth is its
+        // first replay: both are warm-up.
+        warmup.extend([timed[0], timed[0]]);
+    }
     for &i in &timed {
         if !warmup.iter().any(|&w| shape(w) == shape(i)) {
             warmup.push(i);
         }
     }
     let mut trainer = Trainer::<A>::new(train).map_err(|e| e.to_string())?;
+    if step_graphs {
+        trainer = trainer.with_step_graphs().map_err(|e| e.to_string())?;
+    }
     if let Some((devices, collective, options)) = parallel {
         trainer = trainer
             .data_parallel(&lm, &devices, collective, options)
@@ -895,15 +911,33 @@ where
     };
     let secs = median(times);
     let client = R::client(device);
-    let usage = client.memory_usage().map_err(|e| format!("{e:?}"))?;
+    let mut reserved = client
+        .memory_usage()
+        .map_err(|e| format!("{e:?}"))?
+        .bytes_reserved;
+    if step_graphs {
+        let Some(kernels) = trainer.replaying() else {
+            return Err("--step-graphs: the step was not recorded (see the log)".into());
+        };
+        eprintln!("the timed steps replayed a recorded step of {kernels} kernels");
+        // The steps' memory is in the pool of the trainer's own stream.
+        let stream = trainer.graph_stream().expect("step graphs");
+        let usage = stream
+            .run(|| client.memory_usage())
+            .map_err(|e| format!("{e:?}"))?;
+        reserved += usage.bytes_reserved;
+    }
     // The largest micro-batch of the run.
     let largest = (0..data.len())
         .max_by_key(|&i| shape(i).iter().product::<usize>())
         .expect("at least one micro-batch");
-    // One more step, untimed, while the bytes in use are sampled.
+    // One more step, untimed, while the bytes in use are sampled. A replay
+    // works in memory its pool counts as free: its bytes in use are not
+    // measured.
     let ((lm, out), in_use) = peak_in_use::<R, _>(&client, || trainer.step(lm, &data[largest].0))?;
     out.map_err(|e| e.to_string())?;
-    let memory = if workers == 1 && checkpointing == Checkpointing::Off {
+    let in_use = (!step_graphs).then_some(in_use);
+    let memory = if workers == 1 && checkpointing == Checkpointing::Off && !step_graphs {
         Some(memory_breakdown::<R, A>(
             &client,
             device,
@@ -928,8 +962,8 @@ where
             DataLayout::Full => (workers * batch * seq) as f64 / secs,
             _ => tokens as f64 / total,
         }),
-        peak_mib: Some(usage.bytes_reserved as f64 / MIB),
-        in_use_mib: Some(in_use as f64 / MIB),
+        peak_mib: Some(reserved as f64 / MIB),
+        in_use_mib: in_use.map(|b| b as f64 / MIB),
         first_step_s: Some(first_step),
         start_s: Some(start),
         cold_start_s: None,

@@ -104,6 +104,9 @@ pub struct FinetuneOptions {
     /// (`Some(0.0)`: none; `None`: as the model's `config.json` says); an
     /// error for a model without experts.
     pub router_aux_loss: Option<f64>,
+    /// Record a step as CUDA graphs and replay it for the steps of its
+    /// shapes (`Trainer::with_step_graphs`; one GPU).
+    pub step_graphs: bool,
 }
 
 /// What a finetuning run did.
@@ -380,6 +383,9 @@ impl Finetune {
             devices: o.devices,
         };
         let (mut trainer, devices) = parallel(Trainer::<B>::new(config)?, &model)?;
+        if o.step_graphs {
+            trainer = trainer.with_step_graphs()?;
+        }
         let mut sampler = Sampler::new(set.examples.len(), o.seed);
         let mut report = FinetuneReport {
             losses: Vec::with_capacity(steps),

@@ -111,6 +111,13 @@ enum Command {
         /// (0: none; default: as the model's config.json says).
         #[arg(long, value_name = "COEF")]
         router_aux_loss: Option<f64>,
+        /// Record a training step as CUDA graphs and replay it for the
+        /// steps of the same shapes (one GPU; packed rows, the default,
+        /// give every step one shape): the host queues a step in a few graph launches
+        /// instead of every kernel. Off CUDA, or when a step cannot be
+        /// recorded, training goes on plainly with a note why.
+        #[arg(long)]
+        step_graphs: bool,
         /// Passes over the data (default: 60 for the tiny preset, which
         /// starts from random weights, else 3).
         #[arg(long)]
@@ -352,6 +359,7 @@ fn run(cli: Cli, cache: &KernelCache) -> Result<(), CliError> {
             checkpointing,
             experts,
             router_aux_loss,
+            step_graphs,
             epochs,
             steps,
             lr,
@@ -409,6 +417,7 @@ fn run(cli: Cli, cache: &KernelCache) -> Result<(), CliError> {
                 checkpointing: checkpointing_arg(checkpointing)?,
                 expert_routing: experts.map(ExpertsArg::routing),
                 router_aux_loss,
+                step_graphs,
             };
             finetune::run(common.device, !common.no_bastile, options)?;
         }

@@ -63,6 +63,7 @@ fn options(output: PathBuf, steps: usize) -> FinetuneOptions {
         checkpointing: Checkpointing::Off,
         expert_routing: None,
         router_aux_loss: None,
+        step_graphs: false,
     }
 }
 

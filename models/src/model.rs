@@ -190,6 +190,7 @@ impl<B: Backend> CausalLm<B> {
 /// The first token id of a `[batch, seq]` batch outside `[0, vocab)`,
 /// looked for on the device so that a training step can read it with its
 /// other results instead of waiting for it.
+#[derive(Clone)]
 pub struct IdCheck<B: Backend> {
     /// `[position, id]` of the first offending id (row-major position;
     /// `batch · seq` when there is none).

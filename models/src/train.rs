@@ -11,11 +11,12 @@
 
 use bastile::optim::{AdamW as FusedAdamW, AdamWConfig as FusedAdamWConfig, MomentDtype};
 use bastile::{BastileBackend, CrossEntropyOptions, LabelCheck, Reduction, WeightGradSum};
-use burn::module::AutodiffModule;
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder, RecorderError};
 use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{BasicOps, Bool, Element, Int, Tensor};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -181,6 +182,42 @@ pub struct Trainer<B: AutodiffBackend + BastileBackend> {
     pub(crate) world: Option<World<B>>,
     /// The other workers, when this is worker 0.
     pub(crate) peers: Option<Peers<B>>,
+    /// The recorded step, with [`Trainer::with_step_graphs`].
+    graphs: Option<StepGraphs<B>>,
+}
+
+/// Plain steps of one shape a [`Trainer`] with step graphs takes before it
+/// records one: the first compiles and tunes the kernels, the second
+/// leaves the memory pools as every later step finds them.
+const PLAIN_STEPS_BEFORE_RECORDING: usize = 2;
+
+/// A [`Trainer`]'s recorded step ([`Trainer::with_step_graphs`]).
+struct StepGraphs<B: AutodiffBackend> {
+    /// Every op of the steps runs on this stream, whose memory pool holds
+    /// nothing the program makes between steps.
+    stream: bastile::graph::GraphStream,
+    /// The micro-batch shapes of the last plain steps ([`batch_shapes`]),
+    /// and how many in a row had them.
+    shapes: Vec<([usize; 2], bool)>,
+    same_shape_steps: usize,
+    recorded: Option<Recorded<B>>,
+    /// Why the step could not be recorded: later steps run plainly.
+    refused: Option<String>,
+}
+
+/// One recorded step and the device tensors it reads and writes.
+struct Recorded<B: AutodiffBackend> {
+    graph: bastile::graph::StepGraph,
+    /// The inputs the recording reads; each replay's micro-batches are
+    /// copied into them.
+    inputs: Vec<MicroBatch<B>>,
+    /// The results the recording writes, read after each replay.
+    results: StepResults<B>,
+    norm: Option<Tensor<B, 1>>,
+    /// The buffer the recorded update reads its step's factors from.
+    factors: Tensor<B::InnerBackend, 1>,
+    /// Where the recorded step reads and writes the model's parameters.
+    parameters: Vec<u64>,
 }
 
 impl<B> Trainer<B>
@@ -212,7 +249,63 @@ where
             step: 0,
             world: None,
             peers: None,
+            graphs: None,
         })
+    }
+
+    /// Records a step's GPU work as CUDA graphs and replays it for the
+    /// steps after (see [`bastile::graph`]): after
+    /// two plain steps with the same micro-batch shapes, the third is
+    /// recorded, and each later step with those shapes is its replay, its
+    /// micro-batches copied into the recorded inputs and its learning rate
+    /// into the recorded update. The host then queues a step in a few
+    /// graph launches instead of every kernel, which is what bounds a
+    /// short step. Steps of other shapes run plainly.
+    ///
+    /// Needs the fused AdamW, one worker, and `Autodiff<Bastile<CudaDirect>>`
+    /// with CUPTI on the library path; a step that cannot be recorded (an
+    /// allocation or a host wait inside it) is reported once on stderr and
+    /// training goes on with plain steps. All of the trainer's steps run on
+    /// a CubeCL stream of their own ([`bastile::graph::GraphStream`]), so
+    /// tensors the program makes between steps never share memory with a
+    /// recorded step's intermediate values. The model's parameters and the
+    /// optimizer's state are updated in place; a model whose parameters
+    /// another owner holds (a clone kept aside) is copied by the update
+    /// instead, which the recording detects (training goes on plainly).
+    pub fn with_step_graphs(mut self) -> Result<Self, ModelError> {
+        if self.config.optimizer != OptimizerKind::Fused {
+            return Err(ModelError::Config(
+                "step graphs need the fused AdamW (its update reads the step's factors from \
+                 the device)"
+                    .into(),
+            ));
+        }
+        if self.world.is_some() || self.peers.is_some() {
+            return Err(ModelError::Config(
+                "step graphs train on one device, not data-parallel".into(),
+            ));
+        }
+        self.graphs = Some(StepGraphs {
+            stream: bastile::graph::GraphStream::new(),
+            shapes: Vec::new(),
+            same_shape_steps: 0,
+            recorded: None,
+            refused: None,
+        });
+        Ok(self)
+    }
+
+    /// The stream every step runs on with [`Trainer::with_step_graphs`]
+    /// (its memory pool holds the steps' memory).
+    pub fn graph_stream(&self) -> Option<bastile::graph::GraphStream> {
+        self.graphs.as_ref().map(|g| g.stream)
+    }
+
+    /// Whether the steps replay a recorded step now (see
+    /// [`Trainer::with_step_graphs`]), and the kernels one replay launches.
+    pub fn replaying(&self) -> Option<usize> {
+        let recorded = self.graphs.as_ref()?.recorded.as_ref()?;
+        Some(recorded.graph.kernels())
     }
 
     /// Optimizer steps taken.
@@ -335,6 +428,12 @@ where
             }
         };
         self.step = state.step;
+        if let Some(graphs) = &mut self.graphs {
+            // A recorded step updates the optimizer state it was recorded
+            // with, which the loaded one replaces: record again.
+            graphs.recorded = None;
+            graphs.same_shape_steps = 0;
+        }
         Ok(self)
     }
 
@@ -361,11 +460,7 @@ where
     /// every worker's, shared out in order, and the step returns once all
     /// workers are done; see [`crate::parallel`] for what a failing worker
     /// does.
-    pub fn step(
-        &mut self,
-        model: CausalLm<B>,
-        micro_batches: &[MicroBatch<B>],
-    ) -> (CausalLm<B>, Result<StepOutput, ModelError>)
+    pub fn step(&mut self, model: CausalLm<B>, micro_batches: &[MicroBatch<B>]) -> Stepped<B>
     where
         CausalLm<B>: AutodiffModule<B>,
     {
@@ -439,6 +534,26 @@ where
             }
             return (model, Err(e), Cause::Early);
         }
+        if let Some(stream) = self.graphs.as_ref().map(|g| g.stream) {
+            if self.world.is_some() {
+                let e = ModelError::Config("step graphs train on one device".into());
+                return (model, Err(e), Cause::Early);
+            }
+            let (model, out) = stream.run(|| self.step_with_graphs(model, micro_batches));
+            return (model, out, Cause::Here);
+        }
+        self.step_plainly(model, micro_batches)
+    }
+
+    /// [`Trainer::step_here`] without step graphs.
+    fn step_plainly(
+        &mut self,
+        model: CausalLm<B>,
+        micro_batches: &[MicroBatch<B>],
+    ) -> (CausalLm<B>, Result<StepOutput, ModelError>, Cause)
+    where
+        CausalLm<B>: AutodiffModule<B>,
+    {
         let step = self.step + 1;
         let started = Instant::now();
         let (applied, failures) =
@@ -468,13 +583,27 @@ where
             // The other workers would wait for this one's gradients.
             world.abandon(e);
         }
+        let out = self.conclude(step, verdict, counted, host);
+        (model, out, cause)
+    }
+
+    /// Step number `step`'s output from its verdict: the step counts when
+    /// it applied; a step the fused AdamW counted but skipped is taken
+    /// back from its count.
+    fn conclude(
+        &mut self,
+        step: usize,
+        verdict: Result<(f64, usize), ModelError>,
+        counted: bool,
+        host: Duration,
+    ) -> Result<StepOutput, ModelError> {
         if verdict.is_err()
             && counted
             && let TrainOptimizer::Fused(adamw) = &mut self.optimizer
         {
             adamw.forget_skipped_step();
         }
-        let out = verdict.map(|(loss, tokens)| {
+        verdict.map(|(loss, tokens)| {
             self.step += 1;
             StepOutput {
                 loss,
@@ -482,8 +611,222 @@ where
                 learning_rate: self.config.lr_at(step - 1),
                 host_seconds: host.as_secs_f64(),
             }
+        })
+    }
+
+    /// A step with [`Trainer::with_step_graphs`], on the graphs' stream: a
+    /// replay of the recorded step when the micro-batches have its shapes,
+    /// the recording itself after enough plain steps of one shape, a plain
+    /// step otherwise.
+    fn step_with_graphs(
+        &mut self,
+        model: CausalLm<B>,
+        micro_batches: &[MicroBatch<B>],
+    ) -> Stepped<B>
+    where
+        CausalLm<B>: AutodiffModule<B>,
+    {
+        let shapes = batch_shapes(micro_batches);
+        let graphs = self.graphs.as_mut().expect("step graphs");
+        if let Some(recorded) = &graphs.recorded
+            && batch_shapes(&recorded.inputs) == shapes
+        {
+            // The recorded step updates the buffers it was recorded with:
+            // another model, or parameters replaced since, are stepped
+            // plainly and recorded again.
+            match parameter_addresses(&model) {
+                Ok(now) if now == recorded.parameters => {
+                    return self.replay(model, micro_batches);
+                }
+                Ok(_) => {
+                    eprintln!(
+                        "bastile: the model's parameters are not the ones the recorded step \
+                         updates; the step runs plainly and is recorded again"
+                    );
+                    graphs.recorded = None;
+                    graphs.same_shape_steps = 0;
+                }
+                Err(e) => graphs.refuse(e.to_string()),
+            }
+        }
+        let graphs = self.graphs.as_ref().expect("step graphs");
+        if graphs.recorded.is_none()
+            && graphs.refused.is_none()
+            && graphs.shapes == shapes
+            && graphs.same_shape_steps >= PLAIN_STEPS_BEFORE_RECORDING
+        {
+            return self.record(model, micro_batches);
+        }
+        let (model, out, _) = self.step_plainly(model, micro_batches);
+        let graphs = self.graphs.as_mut().expect("step graphs");
+        if out.is_ok() {
+            if graphs.shapes == shapes {
+                graphs.same_shape_steps += 1;
+            } else {
+                graphs.shapes = shapes;
+                graphs.same_shape_steps = 1;
+            }
+        }
+        (model, out)
+    }
+
+    /// Records the step's GPU work while queueing it, then runs it; a step
+    /// that cannot be recorded runs plainly, and so do the later ones.
+    fn record(&mut self, model: CausalLm<B>, micro_batches: &[MicroBatch<B>]) -> Stepped<B>
+    where
+        CausalLm<B>: AutodiffModule<B>,
+    {
+        let step = self.step + 1;
+        let started = Instant::now();
+        let device = micro_batches[0].ids.device();
+        let lr = self.config.lr_at(step - 1);
+        // Made outside the recording, which reads them at every replay:
+        // the inputs (copies of this step's) and the update's factors.
+        let inputs = match micro_batches
+            .iter()
+            .map(recorded_input)
+            .collect::<Result<Vec<_>, _>>()
+        {
+            Ok(inputs) => inputs,
+            Err(e) => return self.refuse_recording(e, model, micro_batches),
+        };
+        let adamw = graphs_adamw(&mut self.optimizer);
+        adamw.upload_next_factors(lr, &device);
+        let before = match parameter_addresses(&model) {
+            Ok(addresses) => addresses,
+            Err(e) => return self.refuse_recording(e, model, micro_batches),
+        };
+        if let Err(e) = bastile::graph::begin_capture::<B>(&device) {
+            return self.refuse_recording(e, model, micro_batches);
+        }
+        let ((model, queued), failures) = bastile::capture_launch_failures(|| {
+            let queued = match self.queue(&model, &inputs) {
+                Ok(queued) => queued,
+                Err(e) => return (model, Err(e)),
+            };
+            let adamw = graphs_adamw(&mut self.optimizer);
+            let (model, norm) = update_fused(adamw, lr, model, queued.grads, &queued.results);
+            (model, Ok((queued.results, norm)))
         });
-        (model, out, cause)
+        let ended = bastile::graph::end_capture::<B>(&device);
+        let adamw = graphs_adamw(&mut self.optimizer);
+        // Nothing ran while recording: on any failure the update the
+        // optimizer counted is taken back and the step runs plainly, where
+        // a failure of its own is reported as such.
+        let (results, norm) = match queued {
+            Ok(step) => step,
+            Err(e) => {
+                // The micro-batches were refused before anything was
+                // queued, and before the optimizer counted the step.
+                drop(ended);
+                return (model, Err(e));
+            }
+        };
+        let graph = match (ended, failures.first()) {
+            (Ok(graph), None) => graph,
+            (Ok(_), Some(failure)) => {
+                adamw.forget_skipped_step();
+                return self.refuse_recording(failure, model, micro_batches);
+            }
+            (Err(e), _) => {
+                adamw.forget_skipped_step();
+                return self.refuse_recording(e, model, micro_batches);
+            }
+        };
+        let factors = adamw.last_factors().expect("the recorded update's factors");
+        if let Err(e) = graph.launch() {
+            let message = format!("the recorded step failed to launch: {e}");
+            let out = self.conclude(
+                step,
+                Err(ModelError::Step { step, message }),
+                true,
+                started.elapsed(),
+            );
+            return (model, out);
+        }
+        let host = started.elapsed();
+        let (verdict, _) = results.clone().read(step, norm.clone());
+        let out = self.conclude(step, verdict, true, host);
+        let graphs = self.graphs.as_mut().expect("step graphs");
+        match parameter_addresses(&model) {
+            Ok(after) if after == before => {
+                graphs.recorded = Some(Recorded {
+                    graph,
+                    inputs,
+                    results,
+                    norm,
+                    factors,
+                    parameters: after,
+                });
+            }
+            Ok(_) => {
+                let why = "the update did not write every parameter in place (another owner \
+                           holds one, such as a clone of the model kept aside)";
+                graphs.refuse(why.into());
+            }
+            Err(e) => graphs.refuse(e.to_string()),
+        }
+        (model, out)
+    }
+
+    /// Notes why the step could not be recorded and runs it plainly.
+    fn refuse_recording(
+        &mut self,
+        why: impl std::fmt::Display,
+        model: CausalLm<B>,
+        micro_batches: &[MicroBatch<B>],
+    ) -> Stepped<B>
+    where
+        CausalLm<B>: AutodiffModule<B>,
+    {
+        self.graphs
+            .as_mut()
+            .expect("step graphs")
+            .refuse(why.to_string());
+        let (model, out, _) = self.step_plainly(model, micro_batches);
+        (model, out)
+    }
+
+    /// Replays the recorded step on `micro_batches`: they are copied into
+    /// the recorded inputs and this step's factors into the recorded
+    /// update's, then the graphs are launched and the results read.
+    fn replay(&mut self, model: CausalLm<B>, micro_batches: &[MicroBatch<B>]) -> Stepped<B>
+    where
+        CausalLm<B>: AutodiffModule<B>,
+    {
+        let step = self.step + 1;
+        let started = Instant::now();
+        let lr = self.config.lr_at(step - 1);
+        let adamw = graphs_adamw(&mut self.optimizer);
+        let recorded = self
+            .graphs
+            .as_ref()
+            .and_then(|g| g.recorded.as_ref())
+            .expect("a recorded step");
+        let factors = adamw.count_replayed_step(lr);
+        let device = micro_batches[0].ids.device();
+        let queued = copy_inputs(&recorded.inputs, micro_batches)
+            .and_then(|()| {
+                let values = Tensor::<B::InnerBackend, 1>::from_data(
+                    burn::tensor::TensorData::new(factors.to_vec(), [3]),
+                    &device,
+                );
+                bastile::graph::copy_into(&recorded.factors, values)
+            })
+            .and_then(|()| recorded.graph.launch());
+        let (verdict, host) = match queued {
+            Ok(()) => {
+                let host = started.elapsed();
+                let (verdict, _) = recorded.results.clone().read(step, recorded.norm.clone());
+                (verdict, host)
+            }
+            Err(e) => {
+                let message = format!("the recorded step could not be replayed: {e}");
+                (Err(ModelError::Step { step, message }), started.elapsed())
+            }
+        };
+        let out = self.conclude(step, verdict, true, host);
+        (model, out)
     }
 
     /// Queues step number `step`, applies the optimizer unless the step must
@@ -513,9 +856,7 @@ where
         let lr = self.config.lr_at(step - 1);
         match &mut self.optimizer {
             TrainOptimizer::Fused(adamw) => {
-                let skip = queued.results.skip.clone().inner();
-                let model = adamw.step_unless(lr, model, queued.grads, skip);
-                let norm = adamw.last_norm().map(Tensor::from_inner);
+                let (model, norm) = update_fused(adamw, lr, model, queued.grads, &queued.results);
                 if let Some(world) = &self.world {
                     // Worker 0 reads its results only once the others
                     // answered, after their own update ran: until a read,
@@ -676,6 +1017,106 @@ where
     }
 }
 
+/// The fused AdamW's update of a queued step, skipped on the device when
+/// the step's flags say so: the model and the step's gradient norm.
+fn update_fused<B>(
+    adamw: &mut FusedAdamW<B>,
+    lr: f64,
+    model: CausalLm<B>,
+    grads: GradientsParams,
+    results: &StepResults<B>,
+) -> (CausalLm<B>, Option<Tensor<B, 1>>)
+where
+    B: AutodiffBackend + BastileBackend,
+    B::InnerBackend: BastileBackend,
+    CausalLm<B>: AutodiffModule<B>,
+{
+    let skip = results.skip.clone().inner();
+    let model = adamw.step_unless(lr, model, grads, skip);
+    let norm = adamw.last_norm().map(Tensor::from_inner);
+    (model, norm)
+}
+
+/// The fused AdamW, which [`Trainer::with_step_graphs`] requires.
+fn graphs_adamw<B>(optimizer: &mut TrainOptimizer<B>) -> &mut FusedAdamW<B>
+where
+    B: AutodiffBackend + BastileBackend,
+{
+    match optimizer {
+        TrainOptimizer::Fused(adamw) => adamw,
+        TrainOptimizer::Burn(_) => unreachable!("step graphs need the fused AdamW"),
+    }
+}
+
+impl<B: AutodiffBackend> StepGraphs<B> {
+    /// Gives up recording (reported once): later steps run plainly.
+    fn refuse(&mut self, why: String) {
+        eprintln!("bastile: the training step is not recorded as a CUDA graph: {why}");
+        self.refused = Some(why);
+    }
+}
+
+/// What a recorded step's micro-batches must match: each one's shape and
+/// whether it packs documents.
+fn batch_shapes<B: AutodiffBackend>(micro_batches: &[MicroBatch<B>]) -> Vec<([usize; 2], bool)> {
+    micro_batches
+        .iter()
+        .map(|m| (m.ids.dims(), m.positions.is_some()))
+        .collect()
+}
+
+/// A copy of `m` in buffers of its own, for a recording to read.
+fn recorded_input<B>(m: &MicroBatch<B>) -> Result<MicroBatch<B>, bastile::BastileError>
+where
+    B: AutodiffBackend + BastileBackend,
+{
+    let own = |t: &Tensor<B, 2, Int>| {
+        let copy = Tensor::empty(t.dims(), &t.device());
+        bastile::graph::copy_ints_into(&copy, t.clone()).map(|()| copy)
+    };
+    Ok(MicroBatch {
+        ids: own(&m.ids)?,
+        labels: own(&m.labels)?,
+        positions: m.positions.as_ref().map(own).transpose()?,
+    })
+}
+
+/// Copies each micro-batch into the recorded input of its place.
+fn copy_inputs<B>(
+    recorded: &[MicroBatch<B>],
+    micro_batches: &[MicroBatch<B>],
+) -> Result<(), bastile::BastileError>
+where
+    B: AutodiffBackend + BastileBackend,
+{
+    for (into, m) in recorded.iter().zip(micro_batches) {
+        bastile::graph::copy_ints_into(&into.ids, m.ids.clone())?;
+        bastile::graph::copy_ints_into(&into.labels, m.labels.clone())?;
+        if let (Some(into), Some(p)) = (&into.positions, &m.positions) {
+            bastile::graph::copy_ints_into(into, p.clone())?;
+        }
+    }
+    Ok(())
+}
+
+/// The device addresses of the model's parameters.
+fn parameter_addresses<B>(model: &CausalLm<B>) -> Result<Vec<u64>, bastile::BastileError>
+where
+    B: AutodiffBackend,
+    B::InnerBackend: BastileBackend,
+    CausalLm<B>: AutodiffModule<B>,
+{
+    struct Params<B: AutodiffBackend>(Vec<FloatTensor<B::InnerBackend>>);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Params<B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push(param.val().inner().into_primitive().tensor());
+        }
+    }
+    let mut params = Params::<B>(Vec::new());
+    model.visit(&mut params);
+    bastile::graph::buffer_addresses::<B::InnerBackend>(params.0)
+}
+
 /// The optimizer record [`Trainer::save_state`] writes (Burn adds `.mpk`).
 const OPTIMIZER_RECORD: &str = "optimizer";
 /// The steps taken and the config, beside the optimizer record.
@@ -695,6 +1136,9 @@ fn record_error(path: &Path, e: RecorderError) -> ModelError {
         std::io::Error::other(e.to_string()),
     )
 }
+
+/// What a step gives back: the model, and the step's output or error.
+type Stepped<B> = (CausalLm<B>, Result<StepOutput, ModelError>);
 
 /// A step as [`Trainer::step`]'s captured part leaves it.
 struct Applied<B: AutodiffBackend> {
@@ -717,6 +1161,7 @@ struct QueuedStep<B: AutodiffBackend> {
 }
 
 /// The device values a step reports, read together at its end.
+#[derive(Clone)]
 struct StepResults<B: AutodiffBackend> {
     /// The mean loss over every counted token, `[1]`.
     loss: Tensor<B, 1>,

@@ -11,4 +11,5 @@ mod moe;
 mod packing;
 mod parallel;
 mod precompile;
+mod step_graphs;
 mod training;

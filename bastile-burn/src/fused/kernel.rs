@@ -131,6 +131,25 @@ pub trait KernelBackend: Backend {
     ) -> (Vec<FloatTensor<Self>>, Vec<IntTensor<Self>>) {
         unreachable!("{} launched on a backend without kernels", K::NAME)
     }
+
+    /// [`KernelBackend::ask`], on a backend that hands every op to CubeCL
+    /// when it is called; `None` where ops wait in a stream of their own
+    /// (Burn's fusion) or there are no kernels. Recording a step's GPU
+    /// work ([`crate::graph`]) needs the ops issued in order.
+    fn ask_in_order<Q: DeviceQuery>(_device: &Device<Self>, _query: &Q) -> Option<Q::Answer> {
+        None
+    }
+
+    /// Runs `kernel` for what it does to `floats` and `ints` (it returns
+    /// nothing), on a backend that hands every op to CubeCL when it is
+    /// called; `None` elsewhere, as [`KernelBackend::ask_in_order`].
+    fn run_in_order<K: Kernel>(
+        _kernel: &K,
+        _floats: Vec<FloatTensor<Self>>,
+        _ints: Vec<IntTensor<Self>>,
+    ) -> Option<()> {
+        None
+    }
 }
 
 impl KernelBackend for NdArray {}
@@ -140,6 +159,20 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KernelBack
 {
     fn ask<Q: DeviceQuery>(device: &Device<Self>, query: &Q) -> Option<Q::Answer> {
         Some(query.ask::<R>(device))
+    }
+
+    fn ask_in_order<Q: DeviceQuery>(device: &Device<Self>, query: &Q) -> Option<Q::Answer> {
+        Some(query.ask::<R>(device))
+    }
+
+    fn run_in_order<K: Kernel>(
+        kernel: &K,
+        floats: Vec<FloatTensor<Self>>,
+        ints: Vec<IntTensor<Self>>,
+    ) -> Option<()> {
+        let returned = kernel.launch::<R, F, I, BT>(floats, ints);
+        debug_assert!(returned.is_empty(), "{} returns nothing", K::NAME);
+        Some(())
     }
 
     fn launch_split<K: Kernel>(

@@ -117,6 +117,20 @@ pub trait BastileBackend: Backend {
     fn run<O: FusedOp>(op: &O, input: In<O, Self>) -> Out<O, Self> {
         op.composite::<Self>(input)
     }
+
+    /// [`KernelBackend::ask_in_order`] of the kernels under this backend.
+    fn ask_in_order<Q: DeviceQuery>(_device: &Device<Self>, _query: &Q) -> Option<Q::Answer> {
+        None
+    }
+
+    /// [`KernelBackend::run_in_order`] of the kernels under this backend.
+    fn run_in_order<K: Kernel>(
+        _kernel: &K,
+        _floats: Vec<FloatTensor<Self>>,
+        _ints: Vec<IntTensor<Self>>,
+    ) -> Option<()> {
+        None
+    }
 }
 
 /// Whether `B` runs `op` with kernels for this problem.
@@ -152,6 +166,18 @@ impl<B: KernelBackend> BastileBackend for Bastile<B> {
             None => op.composite::<B>(input),
         }
     }
+
+    fn ask_in_order<Q: DeviceQuery>(device: &Device<Self>, query: &Q) -> Option<Q::Answer> {
+        B::ask_in_order(device, query)
+    }
+
+    fn run_in_order<K: Kernel>(
+        kernel: &K,
+        floats: Vec<FloatTensor<Self>>,
+        ints: Vec<IntTensor<Self>>,
+    ) -> Option<()> {
+        B::run_in_order(kernel, floats, ints)
+    }
 }
 
 impl<B: BastileBackend, C: CheckpointStrategy> BastileBackend for Autodiff<B, C> {
@@ -166,6 +192,19 @@ impl<B: BastileBackend, C: CheckpointStrategy> BastileBackend for Autodiff<B, C>
         } else {
             op.composite::<Self>(input)
         }
+    }
+
+    fn ask_in_order<Q: DeviceQuery>(device: &Device<Self>, query: &Q) -> Option<Q::Answer> {
+        B::ask_in_order(device, query)
+    }
+
+    fn run_in_order<K: Kernel>(
+        kernel: &K,
+        floats: Vec<FloatTensor<Self>>,
+        ints: Vec<IntTensor<Self>>,
+    ) -> Option<()> {
+        let floats = floats.into_iter().map(|t| t.primitive).collect();
+        B::run_in_order(kernel, floats, ints)
     }
 }
 

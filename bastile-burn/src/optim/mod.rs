@@ -44,7 +44,7 @@ use burn::optim::{GradientsParams, LearningRate, MultiGradientsParams, Optimizer
 use burn::record::Record;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Bool, DType, Tensor, TensorMetadata};
+use burn::tensor::{Bool, DType, Tensor, TensorData, TensorMetadata};
 // Burn implements `Record` for hashbrown's map.
 use hashbrown::HashMap;
 
@@ -203,6 +203,8 @@ impl AdamWConfig {
             step: 0,
             states: HashMap::new(),
             last_norm: None,
+            last_factors: None,
+            next_factors: None,
         })
     }
 }
@@ -232,6 +234,11 @@ pub struct AdamW<B: AutodiffBackend> {
     step: u64,
     states: HashMap<ParamId, AdamWState<B::InnerBackend>>,
     last_norm: Option<Tensor<B::InnerBackend, 1>>,
+    /// The device buffer the last update read its step's factors from.
+    last_factors: Option<Tensor<B::InnerBackend, 1>>,
+    /// Factors uploaded ahead of the step that reads them, with their
+    /// values ([`AdamW::upload_next_factors`]).
+    next_factors: Option<([f32; 3], Tensor<B::InnerBackend, 1>)>,
 }
 
 impl<B: AutodiffBackend> AdamW<B>
@@ -252,6 +259,35 @@ where
     /// Reading it waits for the step, so read it with the loss.
     pub fn last_norm(&self) -> Option<Tensor<B::InnerBackend, 1>> {
         self.last_norm.clone().map(|t| t.slice(1..2))
+    }
+
+    /// The device buffer (`[3]`, f32) the last step's update read its
+    /// factors from ([`AdamWStep::factors`]: the step size, the decay and
+    /// `1 / √(1 − β2ᵗ)`). A replay of that step's recorded GPU work
+    /// (a CUDA graph) reads the same buffer: the caller writes the
+    /// factors [`AdamW::count_replayed_step`] gives into it first.
+    pub fn last_factors(&self) -> Option<Tensor<B::InnerBackend, 1>> {
+        self.last_factors.clone()
+    }
+
+    /// Uploads the factors of the next step at learning rate `lr` now,
+    /// before that step is queued; its update reads them from this buffer
+    /// (which [`AdamW::last_factors`] then returns). A step recorded as a
+    /// CUDA graph needs this: an upload inside the recording would be
+    /// replayed with the recorded step's values.
+    pub fn upload_next_factors(&mut self, lr: LearningRate, device: &B::Device) {
+        let factors = self.config.hyper(lr, self.step + 1).factors();
+        let tensor =
+            Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(factors.to_vec(), [3]), device);
+        self.next_factors = Some((factors, tensor));
+    }
+
+    /// Counts a step that runs as a replay of recorded GPU work instead of
+    /// through [`AdamW::step_unless`], at learning rate `lr`: the factors
+    /// its update must find in [`AdamW::last_factors`].
+    pub fn count_replayed_step(&mut self, lr: LearningRate) -> [f32; 3] {
+        self.step += 1;
+        self.config.hyper(lr, self.step).factors()
     }
 
     /// [`Optimizer::step`] that changes nothing when `skip` (one element,
@@ -308,6 +344,15 @@ where
         }
         self.last_norm = Some(float(clip.clone()));
         let hyper = self.config.hyper(lr, self.step);
+        let factors = match self.next_factors.take() {
+            Some((values, uploaded)) if values == hyper.factors() => uploaded,
+            _ => {
+                use burn::tensor::ops::FloatTensorOps;
+                let device = B::InnerBackend::float_device(&taken[0].weights);
+                Tensor::from_data(TensorData::new(hyper.factors().to_vec(), [3]), &device)
+            }
+        };
+        self.last_factors = Some(factors.clone());
         let mut states = Vec::with_capacity(taken.len());
         let mut grads = Vec::with_capacity(taken.len());
         let mut order = Vec::with_capacity(taken.len());
@@ -323,7 +368,9 @@ where
             grads.push(t.grad);
             order.push(t.param);
         }
-        let updated = B::InnerBackend::run(&AdamWUpdate { hyper }, (states, grads, Some(clip)));
+        let factors = factors.into_primitive().tensor();
+        let updated =
+            B::InnerBackend::run(&AdamWUpdate { hyper }, (states, grads, Some(clip), factors));
         let mut back = HashMap::with_capacity(order.len());
         for (param, updated) in order.into_iter().zip(updated) {
             self.states.insert(

@@ -25,8 +25,9 @@ kernel!(ClipLaunch, "bastile_adamw_clip", |op, grads, _| {
 });
 
 /// The update: inputs every state (`sizes[i]` tensors each, see
-/// [`AdamWTensors::into_vec`]), every gradient, then the clip factor when
-/// `clipped`; outputs the states.
+/// [`AdamWTensors::into_vec`]), every gradient, the clip factor when
+/// `clipped`, then the step's factors ([`AdamWStep::factors`]); outputs the
+/// states.
 #[derive(Clone, Debug)]
 pub(super) struct UpdateLaunch {
     pub hyper: AdamWStep,
@@ -35,11 +36,12 @@ pub(super) struct UpdateLaunch {
 }
 
 kernel!(UpdateLaunch, "bastile_adamw_update", |op, mut inputs, _| {
+    let factors = inputs.pop().expect("the step's factors");
     let clip = op.clipped.then(|| inputs.pop().expect("the clip factor"));
     let states_len = op.sizes.iter().sum();
     let grads = inputs.split_off(states_len);
     let states = AdamWTensors::split(inputs, &op.sizes);
-    update(states, grads, clip, op.hyper)
+    update(states, grads, clip, factors, op.hyper)
         .into_iter()
         .flat_map(AdamWTensors::into_vec)
         .collect()
@@ -87,6 +89,7 @@ fn update<R: CubeRuntime>(
     params: Vec<AdamWTensors<CubeTensor<R>>>,
     grads: Vec<CubeTensor<R>>,
     clip: Option<CubeTensor<R>>,
+    factors: CubeTensor<R>,
     hyper: AdamWStep,
 ) -> Vec<AdamWTensors<CubeTensor<R>>> {
     let Some(client) = params.first().map(|p| p.param.client.clone()) else {
@@ -103,6 +106,7 @@ fn update<R: CubeRuntime>(
         .collect();
     let grads: Vec<CubeTensor<R>> = grads.into_iter().map(into_contiguous).collect();
     let clip = clip.map(into_contiguous);
+    let factors = into_contiguous(factors);
     let buffers: Vec<(AdamWProblem, AdamWBuffers)> = params
         .iter()
         .zip(&grads)
@@ -135,7 +139,13 @@ fn update<R: CubeRuntime>(
     // factor) hold nothing meaningful: write no parameter.
     if !launch_failed() {
         launch("AdamW update", || {
-            adamw::update(&client, &hyper, clip.as_ref().map(|c| &c.handle), &updates)
+            adamw::update(
+                &client,
+                &hyper,
+                clip.as_ref().map(|c| &c.handle),
+                &factors.handle,
+                &updates,
+            )
         });
     }
     params

@@ -241,7 +241,10 @@ impl FusedOp for AdamWClip {
 
 impl FusedOp for AdamWUpdate {
     const PATCH: Option<Op> = None;
-    type Input<F, I> = (Vec<AdamWTensors<F>>, Vec<F>, Option<F>);
+    /// The states, the gradients, the clip factor and the step's factors
+    /// (`[3]`, f32: [`AdamWStep::factors`], which the kernels read from the
+    /// device and the composite path computes from `hyper`).
+    type Input<F, I> = (Vec<AdamWTensors<F>>, Vec<F>, Option<F>, F);
     type Output<F, I> = Vec<AdamWTensors<F>>;
     /// The dtypes of each parameter, its gradient and its moments.
     type Problem = Vec<[DType; 3]>;
@@ -251,7 +254,7 @@ impl FusedOp for AdamWUpdate {
 
     fn problem<B: Backend>(
         &self,
-        (states, grads, _): &In<Self, B>,
+        (states, grads, _, _): &In<Self, B>,
     ) -> (Device<B>, Vec<[DType; 3]>) {
         let device = states
             .first()
@@ -279,12 +282,12 @@ impl FusedOp for AdamWUpdate {
         fused.contains(&true).then_some(fused)
     }
 
-    fn composite<B: Backend>(&self, (states, grads, clip): In<Self, B>) -> Out<Self, B> {
+    fn composite<B: Backend>(&self, (states, grads, clip, _): In<Self, B>) -> Out<Self, B> {
         composite_update_all::<B>(states, grads, clip, self.hyper)
     }
 
     fn kernels<K: KernelBackend>(&self, fused: Vec<bool>, input: In<Self, K>) -> Out<Self, K> {
-        let (states, grads, clip) = input;
+        let (states, grads, clip, factors) = input;
         let (mut kernel, mut composite) = ((vec![], vec![]), (vec![], vec![]));
         for ((state, grad), &fused) in states.into_iter().zip(grads).zip(&fused) {
             let side = if fused { &mut kernel } else { &mut composite };
@@ -292,7 +295,7 @@ impl FusedOp for AdamWUpdate {
             side.1.push(grad);
         }
         let mut kernel = self
-            .launch::<K>(kernel.0, kernel.1, clip.clone())
+            .launch::<K>(kernel.0, kernel.1, clip.clone(), factors)
             .into_iter();
         let mut composite =
             composite_update_all::<K>(composite.0, composite.1, clip, self.hyper).into_iter();
@@ -311,13 +314,15 @@ impl FusedOp for AdamWUpdate {
 }
 
 impl AdamWUpdate {
-    /// One launch over every state (3 or 4 tensors each), every gradient
-    /// and the clip factor; the states come back in their order.
+    /// One launch over every state (3 or 4 tensors each), every gradient,
+    /// the clip factor and the step's factors; the states come back in
+    /// their order.
     fn launch<K: KernelBackend>(
         &self,
         states: Vec<AdamWTensors<FloatTensor<K>>>,
         grads: Vec<FloatTensor<K>>,
         clip: Option<FloatTensor<K>>,
+        factors: FloatTensor<K>,
     ) -> Vec<AdamWTensors<FloatTensor<K>>> {
         if states.is_empty() {
             return Vec::new();
@@ -335,6 +340,7 @@ impl AdamWUpdate {
         };
         inputs.extend(grads);
         inputs.extend(clip);
+        inputs.push(factors);
         AdamWTensors::split(K::launch(&launch, inputs, vec![], outputs), &sizes)
     }
 }
