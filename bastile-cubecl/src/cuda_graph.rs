@@ -1,6 +1,6 @@
-//! Recording the GPU work of one training step as a CUDA graph, and
-//! replaying it: one `cuGraphLaunch` instead of the host queueing every
-//! kernel again (about 30 µs of host time a kernel through Burn and
+//! Recording the GPU work of one training step as CUDA graphs, and
+//! replaying it: a few `cuGraphLaunch` calls instead of the host queueing
+//! every kernel again (about 30 µs of host time a kernel through Burn and
 //! CubeCL, against a few µs of GPU time for many of them).
 //!
 //! [`begin`] starts capturing CubeCL's CUDA stream (the one the caller's
@@ -8,31 +8,34 @@
 //! capture starts after every task queued before it; the caller then
 //! queues the step as usual, and [`end`] (again a task of the device
 //! thread, after the step's) closes the capture into a [`StepGraph`].
-//! While capturing, nothing runs: the graph holds the kernels, cuBLASLt's
+//! While capturing, nothing runs: the graphs hold the kernels, cuBLASLt's
 //! calls and the uploads, with the buffers they had in that step.
 //!
-//! Three things CubeCL does in a step would not replay as they were
-//! captured, and are checked or repaired here:
+//! What CubeCL does in a step that would not replay as it was captured is
+//! repaired or refused here:
 //! - Kernel metadata (shapes and strides) is uploaded from pinned staging
-//!   memory that CubeCL recycles once an upload is done, and CubeCL
-//!   believes an upload done when a fence is synchronized, which during a
-//!   capture fails without its error being seen. The graph would read
-//!   whatever the staging holds at replay. Each upload's bytes are copied
-//!   when the upload is issued (a CUPTI callback on
-//!   `cuMemcpyHtoDAsync_v2`), and the graph's copies are pointed at those
-//!   copies, in pinned memory the graph owns.
+//!   memory that CubeCL recycles once it believes the upload done. Each
+//!   upload's bytes are copied when the upload is issued (a CUPTI callback
+//!   on `cuMemcpyHtoDAsync_v2` and `cuMemcpy2DAsync_v2`), and the graphs'
+//!   copies are pointed at those copies, in pinned memory the graphs own.
+//! - CubeCL waits on a fence every 64 uploads, and waiting on an event
+//!   recorded during a capture invalidates it: the capture is cut into
+//!   segments around each such wait (see `on_driver_call`), replayed in
+//!   order.
 //! - A device allocation or free during the capture would be recorded
 //!   into the graph (stream-ordered allocations are graph nodes) or free
 //!   memory the graph uses: the capture fails with a descriptive error.
 //!   Steps run before the capture bring CubeCL's pools to the size a step
 //!   needs.
-//! - A host synchronization inside the step invalidates the capture: CUDA
-//!   reports it when the capture ends.
+//! - Any other host synchronization inside the step invalidates the
+//!   capture: CUDA reports it when the capture ends.
 //!
 //! What the caller guarantees: every buffer a step reads from outside it
 //! (parameters, optimizer state, inputs) stays allocated while the graph
-//! lives and is written in place, and new inputs are copied into the
-//! captured ones ([`copy`]) before each [`StepGraph::launch`].
+//! lives and is written in place, new inputs are copied into the captured
+//! ones ([`copy`]) before each [`StepGraph::launch`], and nothing uploaded
+//! inside the step changes from step to step (a replay repeats the
+//! recorded bytes).
 
 use std::ffi::c_void;
 use std::sync::Mutex;

@@ -7,7 +7,9 @@
 //! clip folded in), or with [`OptimizerKind::Burn`] Burn's AdamW after a
 //! global-norm clip. [`Trainer::save_state`] and [`Trainer::load_state`]
 //! keep the optimizer's state and the step beside a checkpoint, so that a
-//! stopped run resumes where it was.
+//! stopped run resumes where it was. [`Trainer::with_step_graphs`] records
+//! a step as CUDA graphs and replays it for the steps of its shape, which
+//! takes the host out of short steps.
 
 use bastile::optim::{AdamW as FusedAdamW, AdamWConfig as FusedAdamWConfig, MomentDtype};
 use bastile::{BastileBackend, CrossEntropyOptions, LabelCheck, Reduction, WeightGradSum};
