@@ -266,8 +266,10 @@ where
     ///
     /// Needs the fused AdamW, one worker, and `Autodiff<Bastile<CudaDirect>>`
     /// with CUPTI on the library path; a step that cannot be recorded (an
-    /// allocation or a host wait inside it) is reported once on stderr and
-    /// training goes on with plain steps. All of the trainer's steps run on
+    /// allocation or a host wait inside it, LoRA dropout, whose masks a
+    /// replay would repeat) is reported once on stderr and in
+    /// [`Trainer::step_graph_refusal`], and training goes on with plain
+    /// steps. All of the trainer's steps run on
     /// a CubeCL stream of their own ([`bastile::graph::GraphStream`]), so
     /// tensors the program makes between steps never share memory with a
     /// recorded step's intermediate values. The model's parameters and the
@@ -301,6 +303,12 @@ where
     /// (its memory pool holds the steps' memory).
     pub fn graph_stream(&self) -> Option<bastile::graph::GraphStream> {
         self.graphs.as_ref().map(|g| g.stream)
+    }
+
+    /// Why the steps are not recorded (see [`Trainer::with_step_graphs`]),
+    /// once a recording was refused.
+    pub fn step_graph_refusal(&self) -> Option<&str> {
+        self.graphs.as_ref()?.refused.as_deref()
     }
 
     /// Whether the steps replay a recorded step now (see
@@ -678,6 +686,13 @@ where
     where
         CausalLm<B>: AutodiffModule<B>,
     {
+        if let Some(lora) = model.lora.as_ref().filter(|l| l.dropout > 0.0) {
+            let why = format!(
+                "LoRA dropout ({}) draws new masks every step, which a replay would repeat",
+                lora.dropout
+            );
+            return self.refuse_recording(why, model, micro_batches);
+        }
         let step = self.step + 1;
         let started = Instant::now();
         let device = micro_batches[0].ids.device();

@@ -57,9 +57,14 @@ fn batches<B: AutodiffBackend>(step: usize, vocab: i64, device: &B::Device) -> V
 }
 
 /// What a run gives: each step's loss (`None` for the failed one), the
-/// final parameters, and whether the trainer replayed a recorded step at
-/// the end.
-type Run = (Vec<Option<f64>>, Vec<(String, Vec<f32>)>, bool);
+/// final parameters, whether the trainer replayed a recorded step at the
+/// end, and why it refused to record one.
+type Run = (
+    Vec<Option<f64>>,
+    Vec<(String, Vec<f32>)>,
+    bool,
+    Option<String>,
+);
 
 fn train<B>(graphs: bool, keep_a_clone: bool) -> Run
 where
@@ -101,7 +106,13 @@ where
         }
     }
     drop(aside);
-    (losses, params(&model), trainer.replaying().is_some())
+    let refusal = trainer.step_graph_refusal().map(str::to_string);
+    (
+        losses,
+        params(&model),
+        trainer.replaying().is_some(),
+        refusal,
+    )
 }
 
 /// `graphed` follows `plain` step by step and ends with the same
@@ -130,6 +141,40 @@ fn same_run(what: &str, plain: &Run, graphed: &Run, tol: f64) {
     eprintln!("{what}: largest parameter difference {worst:.2e}");
 }
 
+/// LoRA dropout draws new masks every step, which a replay would repeat:
+/// such a model is never recorded.
+#[cfg(feature = "wgpu")]
+fn lora_dropout_is_not_recorded<B>()
+where
+    B: AutodiffBackend + BastileBackend,
+    B::InnerBackend: BastileBackend,
+    CausalLm<B>: AutodiffModule<B>,
+{
+    let device = Default::default();
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join("qwen3");
+    let mut model = CausalLm::<B>::from_hf_dir(dir, &device)
+        .unwrap()
+        .with_lora(
+            bastile_models::LoraConfig::new(4).with_dropout(0.1),
+            &device,
+        )
+        .unwrap();
+    let vocab = model.config.vocab_size as i64;
+    let mut trainer = Trainer::<B>::new(config())
+        .unwrap()
+        .with_step_graphs()
+        .unwrap();
+    for step in 0..3 {
+        let (m, out) = trainer.step(model, &batches::<B>(step, vocab, &device));
+        model = m;
+        out.unwrap();
+    }
+    let why = trainer.step_graph_refusal();
+    assert!(why.is_some_and(|w| w.contains("dropout")), "{why:?}");
+}
+
 #[test]
 fn a_trainer_with_step_graphs_trains_as_one_without() {
     let mut ran = false;
@@ -141,8 +186,14 @@ fn a_trainer_with_step_graphs_trains_as_one_without() {
             let plain = train::<B>(false, false);
             let graphed = train::<B>(true, false);
             assert!(!graphed.2, "wgpu has no step graphs");
+            assert!(
+                graphed.3.as_deref().is_some_and(|why| why.contains("CUDA")),
+                "{:?}",
+                graphed.3
+            );
             // The same plain steps: identical.
             same_run("wgpu", &plain, &graphed, 0.0);
+            lora_dropout_is_not_recorded::<B>();
             ran = true;
         }
     }
@@ -161,6 +212,14 @@ fn a_trainer_with_step_graphs_trains_as_one_without() {
             assert!(
                 !refused.2,
                 "a parameter held elsewhere is not updated in place"
+            );
+            assert!(
+                refused
+                    .3
+                    .as_deref()
+                    .is_some_and(|why| why.contains("in place")),
+                "{:?}",
+                refused.3
             );
             same_run("cuda, a clone kept aside", &plain, &refused, 1e-5);
             ran = true;
