@@ -324,7 +324,7 @@ fn unsubscribe() -> Option<Recording> {
     record().take()
 }
 
-fn device_handle(index: usize) -> DeviceHandle<<CudaRuntime as Runtime>::Server> {
+fn device_handle(index: usize) -> DeviceHandle<Server> {
     DeviceHandle::new(CudaDevice { index }.to_id())
 }
 
@@ -340,15 +340,26 @@ fn stream_of(client: &ComputeClient<CudaRuntime>, index: usize) -> Result<usize,
         })
 }
 
+type Server = <CudaRuntime as Runtime>::Server;
+
 /// Runs `task` on CubeCL's device thread for device `index`, after every
 /// task queued before it, with the caller's stream id.
 fn on_device_thread<T: Send>(
     index: usize,
-    task: impl FnOnce() -> Result<T, KernelError> + Send,
+    task: impl FnOnce(&mut Server) -> Result<T, KernelError> + Send,
 ) -> Result<T, KernelError> {
     device_handle(index)
-        .submit_blocking(move |_server| task())
+        .submit_blocking(task)
         .map_err(|e| KernelError::Launch(format!("CubeCL's device thread: {e:?}")))?
+}
+
+/// The device address of `buffer`'s view, on the device thread (`server`)
+/// for the caller's stream id.
+fn buffer_address(server: &mut Server, buffer: Binding) -> Result<u64, KernelError> {
+    server
+        .get_resource(buffer, StreamId::current())
+        .map(|r| r.resource().ptr)
+        .map_err(|e| KernelError::Launch(format!("buffer address: {e:?}")))
 }
 
 /// Starts capturing the work the caller's CubeCL stream queues on CUDA
@@ -369,7 +380,7 @@ pub fn begin(client: &ComputeClient<CudaRuntime>, index: usize) -> Result<(), Ke
     cubecl::future::block_on(client.sync())
         .map_err(|e| KernelError::Launch(format!("waiting for CubeCL's stream: {e:?}")))?;
     subscribe(stream)?;
-    let began = on_device_thread(index, move || {
+    let began = on_device_thread(index, move |_| {
         if let Some(rec) = record().as_mut() {
             rec.thread = Some(std::thread::current().id());
         }
@@ -561,7 +572,7 @@ fn repoint_uploads(
 /// to replay, or why it cannot be replayed.
 pub fn end(client: &ComputeClient<CudaRuntime>, index: usize) -> Result<StepGraph, KernelError> {
     let stream = stream_of(client, index)?;
-    let ended = on_device_thread(index, move || {
+    let ended = on_device_thread(index, move |_| {
         let mut graph: CUgraph = std::ptr::null_mut();
         // SAFETY: the stream `begin` started capturing.
         let result = unsafe { cu::cuStreamEndCapture(stream as cu::CUstream, &mut graph) };
@@ -608,7 +619,7 @@ pub fn end(client: &ComputeClient<CudaRuntime>, index: usize) -> Result<StepGrap
     let graphs: Vec<usize> = step.graphs.iter().map(|&g| g as usize).collect();
     let uploads = recording.uploads;
     // In the capturing thread's context, which the driver calls need.
-    let prepared = on_device_thread(index, move || {
+    let prepared = on_device_thread(index, move |_| {
         let graphs: Vec<CUgraph> = graphs.into_iter().map(|g| g as CUgraph).collect();
         prepare(&graphs, &uploads)
     })?;
@@ -690,7 +701,7 @@ impl StepGraph {
     pub fn launch(&self) -> Result<(), KernelError> {
         let execs: Vec<usize> = self.execs.iter().map(|&e| e as usize).collect();
         let stream = self.stream;
-        on_device_thread(self.index, move || {
+        on_device_thread(self.index, move |_| {
             for exec in execs {
                 // SAFETY: a live executable graph and CubeCL's live stream.
                 check("cuGraphLaunch", unsafe {
@@ -711,7 +722,7 @@ impl Drop for StepGraph {
         // On the device thread, after the last replay queued: the stream
         // orders nothing against a host free, so it is synchronized
         // before the pinned uploads are released.
-        let _ = on_device_thread(self.index, move || {
+        let _ = on_device_thread(self.index, move |_| {
             // SAFETY: CubeCL's live stream; then the objects `end` made,
             // each released once, in the context they were made in.
             unsafe {
@@ -745,40 +756,23 @@ pub fn copy(
 ) -> Result<(), KernelError> {
     let stream = stream_of(client, index)?;
     let (src, dst) = (src.clone(), dst.clone());
-    device_handle(index)
-        .submit_blocking(move |server| {
-            let stream_id = StreamId::current();
-            let mut address = |b: Binding| {
-                server
-                    .get_resource(b, stream_id)
-                    .map(|r| r.resource().ptr)
-                    .map_err(|e| KernelError::Launch(format!("buffer address: {e:?}")))
-            };
-            let (from, to) = (address(src)?, address(dst)?);
-            // SAFETY: both buffers hold `bytes` (the caller's check) and
-            // stay alive until the copy ran: CubeCL frees in stream order.
-            check("cuMemcpyDtoDAsync", unsafe {
-                cu::cuMemcpyDtoDAsync_v2(to, from, bytes, stream as cu::CUstream)
-            })
+    on_device_thread(index, move |server| {
+        let (from, to) = (buffer_address(server, src)?, buffer_address(server, dst)?);
+        // SAFETY: both buffers hold `bytes` (the caller's check) and
+        // stay alive until the copy ran: CubeCL frees in stream order.
+        check("cuMemcpyDtoDAsync", unsafe {
+            cu::cuMemcpyDtoDAsync_v2(to, from, bytes, stream as cu::CUstream)
         })
-        .map_err(|e| KernelError::Launch(format!("CubeCL's device thread: {e:?}")))?
+    })
 }
 
 /// The device addresses of `buffers` (each view's start), read in one task
 /// of CubeCL's device thread for device `index`.
 pub fn addresses(index: usize, buffers: Vec<Binding>) -> Result<Vec<u64>, KernelError> {
-    device_handle(index)
-        .submit_blocking(move |server| {
-            let stream_id = StreamId::current();
-            buffers
-                .into_iter()
-                .map(|b| {
-                    server
-                        .get_resource(b, stream_id)
-                        .map(|r| r.resource().ptr)
-                        .map_err(|e| KernelError::Launch(format!("buffer address: {e:?}")))
-                })
-                .collect()
-        })
-        .map_err(|e| KernelError::Launch(format!("CubeCL's device thread: {e:?}")))?
+    on_device_thread(index, move |server| {
+        buffers
+            .into_iter()
+            .map(|b| buffer_address(server, b))
+            .collect()
+    })
 }

@@ -1133,6 +1133,11 @@ where
                 "a trainer becomes data-parallel once, before its first step".into(),
             ));
         }
+        if self.has_step_graphs() {
+            return Err(ModelError::Config(
+                "step graphs train on one device, not data-parallel".into(),
+            ));
+        }
         let mut peers = Vec::with_capacity(devices.len() - 1);
         for (rank, device) in devices.iter().enumerate().skip(1) {
             let (commands, inbox) = channel::<Command<B>>();

@@ -299,6 +299,12 @@ where
         Ok(self)
     }
 
+    /// Whether [`Trainer::with_step_graphs`] was asked for (a trainer with
+    /// step graphs trains on one device).
+    pub(crate) fn has_step_graphs(&self) -> bool {
+        self.graphs.is_some()
+    }
+
     /// The stream every step runs on with [`Trainer::with_step_graphs`]
     /// (its memory pool holds the steps' memory).
     pub fn graph_stream(&self) -> Option<bastile::graph::GraphStream> {
@@ -440,9 +446,8 @@ where
         self.step = state.step;
         if let Some(graphs) = &mut self.graphs {
             // A recorded step updates the optimizer state it was recorded
-            // with, which the loaded one replaces: record again.
-            graphs.recorded = None;
-            graphs.same_shape_steps = 0;
+            // with, which the loaded one replaces.
+            graphs.record_again();
         }
         Ok(self)
     }
@@ -545,10 +550,6 @@ where
             return (model, Err(e), Cause::Early);
         }
         if let Some(stream) = self.graphs.as_ref().map(|g| g.stream) {
-            if self.world.is_some() {
-                let e = ModelError::Config("step graphs train on one device".into());
-                return (model, Err(e), Cause::Early);
-            }
             let (model, out) = stream.run(|| self.step_with_graphs(model, micro_batches));
             return (model, out, Cause::Here);
         }
@@ -653,8 +654,7 @@ where
                         "bastile: the model's parameters are not the ones the recorded step \
                          updates; the step runs plainly and is recorded again"
                     );
-                    graphs.recorded = None;
-                    graphs.same_shape_steps = 0;
+                    graphs.record_again();
                 }
                 Err(e) => graphs.refuse(e.to_string()),
             }
@@ -1066,6 +1066,13 @@ where
 }
 
 impl<B: AutodiffBackend> StepGraphs<B> {
+    /// Drops the recording: the next steps of one shape are stepped
+    /// plainly and recorded anew.
+    fn record_again(&mut self) {
+        self.recorded = None;
+        self.same_shape_steps = 0;
+    }
+
     /// Gives up recording (reported once): later steps run plainly.
     fn refuse(&mut self, why: String) {
         eprintln!("bastile: the training step is not recorded as a CUDA graph: {why}");

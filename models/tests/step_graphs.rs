@@ -6,8 +6,6 @@
 //! replays; where a step cannot be recorded (wgpu; a model whose
 //! parameters another owner holds), training goes on plainly.
 
-use std::path::PathBuf;
-
 use bastile::BastileBackend;
 use bastile_cubecl::testing::runtime_selected;
 use bastile_models::{CausalLm, MicroBatch, ModelError, TrainConfig, Trainer};
@@ -15,6 +13,7 @@ use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 
+use crate::common::fixture;
 use crate::training::params;
 
 const STEPS: usize = 10;
@@ -66,6 +65,11 @@ type Run = (
     Option<String>,
 );
 
+/// The tiny Qwen3 checkpoint.
+fn qwen3<B: AutodiffBackend + BastileBackend>(device: &B::Device) -> CausalLm<B> {
+    CausalLm::<B>::from_hf_dir(fixture("qwen3"), device).unwrap()
+}
+
 fn train<B>(graphs: bool, keep_a_clone: bool) -> Run
 where
     B: AutodiffBackend + BastileBackend,
@@ -73,10 +77,7 @@ where
     CausalLm<B>: AutodiffModule<B>,
 {
     let device = Default::default();
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures")
-        .join("qwen3");
-    let mut model = CausalLm::<B>::from_hf_dir(dir, &device).unwrap();
+    let mut model = qwen3::<B>(&device);
     let vocab = model.config.vocab_size as i64;
     let mut trainer = Trainer::<B>::new(config()).unwrap();
     if graphs {
@@ -151,11 +152,7 @@ where
     CausalLm<B>: AutodiffModule<B>,
 {
     let device = Default::default();
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures")
-        .join("qwen3");
-    let mut model = CausalLm::<B>::from_hf_dir(dir, &device)
-        .unwrap()
+    let mut model = qwen3::<B>(&device)
         .with_lora(
             bastile_models::LoraConfig::new(4).with_dropout(0.1),
             &device,
